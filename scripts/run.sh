@@ -1,0 +1,42 @@
+#!/bin/sh
+# Set up the project virtual environment (once) and run a task in it.
+#
+#   sh scripts/run.sh demo    # install everything, run the main demo
+#   sh scripts/run.sh test    # install everything, run the test suite
+#
+# Needs only Python >= 3.10 with pip. torch-scatter and torch-sparse are
+# compiled from source where pip finds no wheel (about 10 minutes on 2 cores,
+# once; pip caches the wheels). Set TORCH_INDEX_URL to pick a torch build,
+# e.g. https://download.pytorch.org/whl/cpu on a machine without CUDA.
+set -eu
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+VENV=.venv
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+STAMP="$VENV/.sheafgnn-installed"
+WANT="torch=$TORCH_VERSION $(cat pyproject.toml scripts/run.sh | cksum)"
+
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VENV"
+fi
+PIP="$VENV/bin/python -m pip"
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
+    $PIP install -q --upgrade pip setuptools wheel
+    if [ -n "${TORCH_INDEX_URL:-}" ]; then
+        $PIP install -q "torch==$TORCH_VERSION" --index-url "$TORCH_INDEX_URL"
+    else
+        $PIP install -q "torch==$TORCH_VERSION"
+    fi
+    $PIP install -q -e ".[dev]"
+    # Build isolation would pull a second (CUDA) torch into the build env.
+    MAX_JOBS=${MAX_JOBS:-2} $PIP install -q --no-build-isolation torch-scatter torch-sparse
+    echo "$WANT" > "$STAMP"
+fi
+
+task=${1:-test}
+shift || true
+case "$task" in
+    demo) exec "$VENV/bin/python" -m sheafgnn.cli demo "$@" ;;
+    test) exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@" ;;
+    *) echo "usage: sh scripts/run.sh demo|test [args...]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,122 @@
+"""The embedded default corpus and context windows as sites.
+
+No download: the corpus is the English reference documentation that ships
+with every CPython (``pydoc_data.topics``) and the standard library's own
+top-level Python source as code. Documents go to train / validation / test
+by a hash of their name (90 / 5 / 5), so the split is the same on every
+machine with the same Python version.
+
+::
+
+    load_corpus('mixed', 'train') -> list[str]
+    WindowDataset(text, context, builder)[i] -> HeteroData (a causal site)
+"""
+
+from __future__ import annotations
+
+import sysconfig
+import zlib
+from pathlib import Path
+
+from torch import Tensor
+from torch.utils.data import Dataset
+from torch_geometric.data import HeteroData
+
+from sheafgnn.site import SiteBuilder
+
+SPLITS = ("train", "validation", "test")
+KINDS = ("docs", "code", "mixed")
+
+
+def _split_of(name: str) -> str:
+    bucket = zlib.crc32(name.encode()) % 100
+    return "train" if bucket < 90 else "validation" if bucket < 95 else "test"
+
+
+def _docs() -> dict[str, str]:
+    from pydoc_data.topics import topics
+
+    return {f"docs/{key}": text for key, text in topics.items()}
+
+
+def _code(max_bytes: int) -> dict[str, str]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    out, total = {}, 0
+    for path in sorted(stdlib.glob("*.py")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if total + len(text) > max_bytes:
+            break
+        out[f"code/{path.name}"] = text
+        total += len(text)
+    return out
+
+
+def load_corpus(kind: str = "mixed", split: str = "train", max_code_bytes: int = 2_000_000) -> list[str]:
+    """Documents of the embedded corpus.
+
+    Args:
+        kind (str): ``"docs"`` (pydoc topics), ``"code"`` (stdlib source) or
+            ``"mixed"`` (both). (default: :obj:`"mixed"`)
+        split (str): ``"train"``, ``"validation"`` or ``"test"``.
+        max_code_bytes (int): cap on the code read, in sorted file order.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"load_corpus: kind must be one of {KINDS} (got {kind!r})")
+    if split not in SPLITS:
+        raise ValueError(f"load_corpus: split must be one of {SPLITS} (got {split!r})")
+    docs: dict[str, str] = {}
+    if kind in ("docs", "mixed"):
+        docs.update(_docs())
+    if kind in ("code", "mixed"):
+        docs.update(_code(max_code_bytes))
+    return [docs[name] for name in sorted(docs) if _split_of(name) == split]
+
+
+def corpus_text(kind: str = "mixed", split: str = "train", **kwargs) -> str:
+    """The split's documents joined by blank lines."""
+    return "\n\n".join(load_corpus(kind, split, **kwargs))
+
+
+class WindowDataset(Dataset):
+    """Non-overlapping context windows of a token stream, each built into a site.
+
+    Item ``i`` holds ``context + 1`` tokens: the site is built on the first
+    ``context`` and ``data['token'].y`` holds the next token of each position.
+
+    Args:
+        ids (Tensor): the token stream, shape (N,).
+        context (int): tokens per window.
+        builder (SiteBuilder): turns a window into a ``HeteroData``.
+    """
+
+    def __init__(self, ids: Tensor, context: int, builder: SiteBuilder) -> None:
+        if ids.dim() != 1:
+            raise ValueError(f"WindowDataset: ids must be 1-D, got shape {tuple(ids.shape)}")
+        if context < 1 or ids.numel() < context + 1:
+            raise ValueError(f"WindowDataset: need more than context={context} tokens (got {ids.numel()})")
+        self.ids = ids
+        self.context = context
+        self.builder = builder
+
+    def __len__(self) -> int:
+        return (self.ids.numel() - 1) // self.context
+
+    def __getitem__(self, i: int) -> HeteroData:
+        if not 0 <= i < len(self):
+            raise IndexError(f"WindowDataset: index {i} out of range for {len(self)} windows")
+        window = self.ids[i * self.context : (i + 1) * self.context + 1]
+        data = self.builder(window[:-1])
+        data["token"].y = window[1:].clone()
+        return data
+
+
+def site_statistics(graphs: list[HeteroData]) -> dict[str, dict[str, float]]:
+    """Per node type and edge type: total count and count per token."""
+    tokens = sum(g["token"].num_nodes for g in graphs)
+    stats: dict[str, dict[str, float]] = {}
+    for key in graphs[0].node_types + graphs[0].edge_types:
+        count = sum(g[key].num_nodes if isinstance(key, str) else g[key].num_edges for g in graphs)
+        name = key if isinstance(key, str) else "__".join(key)
+        stats[name] = {"count": count, "per_token": count / max(tokens, 1)}
+    return stats
+

@@ -1,0 +1,28 @@
+"""The site (C, J): tokenizers, patch types and the causal site builder."""
+
+from sheafgnn.site.builder import SiteBuilder, build_site, validate_site
+from sheafgnn.site.schema import (
+    CANDIDATE_EDGES,
+    EDGE_TYPES,
+    NODE_TYPES,
+    PATCH_TYPES,
+    PatchType,
+    SiteConfig,
+)
+from sheafgnn.site.tokenizer import BPETokenizer, ByteTokenizer
+from sheafgnn.site.topic import TopicModel
+
+__all__ = [
+    "BPETokenizer",
+    "ByteTokenizer",
+    "CANDIDATE_EDGES",
+    "EDGE_TYPES",
+    "NODE_TYPES",
+    "PATCH_TYPES",
+    "PatchType",
+    "SiteBuilder",
+    "SiteConfig",
+    "TopicModel",
+    "build_site",
+    "validate_site",
+]

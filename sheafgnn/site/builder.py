@@ -1,0 +1,353 @@
+"""SiteBuilder: a window of token ids to a causal, typed ``HeteroData`` (C, J).
+
+::
+
+    ids (n,) --token_bytes--> bytes (nb,) --rules--> byte spans --> token spans
+                                                                       |
+    HeteroData: token / 9 patch node types (time, span), typed edges <--+
+
+Every edge src -> dst satisfies ``time[src] <= time[dst]``, and the part of
+the graph with time <= t is the same whatever follows position t: rules
+close a patch only on the byte that proves it closed, links point only to
+earlier occurrences, and the topic of a sentence is a function of that
+sentence alone. Everything is built with tensor ops; the Python loops run
+over patch types, cue patterns, indent levels and link lags, never tokens.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+from torch_geometric.data import HeteroData
+from torch_geometric.transforms import BaseTransform
+
+from sheafgnn.site import rules
+from sheafgnn.site.schema import (
+    ANCHORED_TYPES,
+    CHAINED_TYPES,
+    COVERED_TYPES,
+    EDGE_TYPES,
+    NODE_TYPES,
+    PATCH_TYPES,
+    READ_TYPES,
+    SiteConfig,
+)
+from sheafgnn.site.tokenizer import ByteTokenizer
+from sheafgnn.site.topic import TopicModel
+
+Spans = tuple[Tensor, Tensor]  # (start (m,), end (m,)) token positions, end exclusive
+
+# Extra per-node attributes of some patch types, always present (maybe empty).
+_EXTRA_ATTRS = {"topic": "topic", "workspace": "register"}
+
+
+def _arange(n: int) -> Tensor:
+    return torch.arange(n, dtype=torch.long)
+
+
+def _empty_edges() -> Tensor:
+    return torch.zeros(2, 0, dtype=torch.long)
+
+
+def _sort_by_time(start: Tensor, end: Tensor, *extra: Tensor) -> tuple[Tensor, ...]:
+    """Sort spans by (time = end - 1, start), the order chains and scans use."""
+    if start.numel() == 0:
+        return (start, end, *extra)
+    key = (end - 1) * (int(end.max()) + 1) + start
+    order = torch.argsort(key, stable=True)
+    return (start[order], end[order], *(x[order] for x in extra))
+
+
+def _link_previous(keys: Tensor, links: int) -> tuple[Tensor, Tensor]:
+    """Edges from each of the ``links`` previous items with an equal key to the item.
+
+    Items are in time order; a stable sort by key keeps that order inside a key,
+    so the j-th predecessor in the sorted list is the j-th earlier occurrence.
+    """
+    order = torch.argsort(keys, stable=True)
+    sorted_keys = keys[order]
+    src, dst = [], []
+    for lag in range(1, links + 1):  # a loop per link lag
+        same = sorted_keys[lag:] == sorted_keys[:-lag]
+        src.append(order[:-lag][same])
+        dst.append(order[lag:][same])
+    if not src:
+        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+    return torch.cat(src), torch.cat(dst)
+
+
+def _cover(spans: Spans) -> Tensor:
+    """token -> patch edges: each patch from every token it spans."""
+    start, end = spans
+    length = end - start
+    total = int(length.sum())
+    patch = torch.repeat_interleave(_arange(start.numel()), length, output_size=total)
+    first = torch.cumsum(length, 0) - length
+    token = start[patch] + _arange(total) - first[patch]
+    return torch.stack([token, patch])
+
+
+@lru_cache(maxsize=8)
+def _load_topic_model(path: str) -> TopicModel:
+    return TopicModel.load(path)
+
+
+def _as_ids(text_or_ids, tokenizer) -> Tensor:
+    if isinstance(text_or_ids, (str, bytes, bytearray)):
+        return tokenizer.encode(text_or_ids)
+    if isinstance(text_or_ids, Tensor):
+        if text_or_ids.dim() != 1:
+            raise ValueError(f"build_site: token ids must be 1-D, got shape {tuple(text_or_ids.shape)}")
+        if text_or_ids.dtype.is_floating_point or text_or_ids.dtype in (torch.bool, torch.complex64, torch.complex128):
+            raise TypeError(f"build_site: token ids must be an integer tensor, got {text_or_ids.dtype}")
+        ids = text_or_ids.long().cpu()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= tokenizer.vocab_size):
+            raise ValueError(f"build_site: token ids must lie in [0, {tokenizer.vocab_size}) "
+                             f"(got min {int(ids.min())}, max {int(ids.max())})")
+        return ids
+    raise TypeError(f"build_site: expected text (str or bytes) or a 1-D LongTensor of token ids, "
+                    f"got {type(text_or_ids).__name__}")
+
+
+def build_site(text_or_ids: str | bytes | Tensor, config: SiteConfig | None = None, *,
+               tokenizer=None, topic_model: TopicModel | None = None) -> HeteroData:
+    r"""Build the causal typed site of a text window.
+
+    Patch rules (each switched on by ``config.patch_types``):
+
+    - ``local``: consecutive windows of ``local_window`` tokens (full windows only).
+    - ``sentence``: spans closed by ``.``/``!``/``?`` + white space, or a blank line.
+    - ``syntax``: balanced ``()[]{}`` (at most ``syntax_max_depth`` deep), paired
+      ``"``/`````` quotes on a line, and indentation blocks; spans longer than
+      ``syntax_max_span`` tokens are dropped.
+    - ``instruction``: lines that start with one of ``instruction_cues``; each
+      anchors the later ``local`` and ``sentence`` patches that start within
+      ``anchor_scope`` tokens of its end, until the next instruction.
+    - ``topic``: the sentences, each with a topic id from the fitted
+      :class:`TopicModel` (none without one); each links to its
+      ``topic_links`` previous sentences of the same topic.
+    - ``memory``: words of at least ``memory_min_len`` bytes; each links to its
+      ``memory_links`` previous occurrences.
+    - ``retrieval``: positions t whose last ``retrieval_key_len`` tokens occurred
+      before, ending at j < t; the token j + 1 after each of the latest
+      ``retrieval_links`` matches links to t (the induction pattern).
+    - ``workspace``: ``workspace_registers`` registers at the end of each local
+      window, written by that window and chained to the same register before.
+    - ``output``: one node per position; it reads token t and the latest
+      ``readout_last`` patches of each type with time <= t.
+
+    Args:
+        text_or_ids (str, bytes or Tensor): text, or a 1-D tensor of token ids.
+        config (SiteConfig, optional): the rules (default: :obj:`SiteConfig()`).
+        tokenizer (optional): encodes text and maps ids to bytes
+            (default: :class:`ByteTokenizer`).
+        topic_model (TopicModel, optional): overrides ``config.topic_model``.
+
+    Returns:
+        HeteroData with every type of :data:`NODE_TYPES` and :data:`EDGE_TYPES`.
+    """
+    config = config if config is not None else SiteConfig()
+    if not isinstance(config, SiteConfig):
+        raise TypeError(f"build_site: config must be a SiteConfig, got {type(config).__name__}")
+    tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
+    if topic_model is None and config.topic_model is not None and config.enabled("topic"):
+        topic_model = _load_topic_model(str(config.topic_model))
+
+    ids = _as_ids(text_or_ids, tokenizer)
+    n = ids.numel()
+    b, lengths = tokenizer.token_bytes(ids)
+    token_of_byte = torch.repeat_interleave(_arange(n), lengths, output_size=b.numel())
+
+    def to_tokens(start: Tensor, end: Tensor) -> Spans:
+        return token_of_byte[start], token_of_byte[end - 1] + 1
+
+    empty: Spans = (torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+    spans: dict[str, Spans] = {p: empty for p in PATCH_TYPES}
+    attrs: dict[str, Tensor] = {p: torch.zeros(0, dtype=torch.long) for p in _EXTRA_ATTRS}
+    edges: dict[tuple[str, str, str], Tensor] = {e: _empty_edges() for e in EDGE_TYPES}
+
+    w = config.local_window
+    num_windows = n // w
+    if config.enabled("local"):
+        starts = _arange(num_windows) * w
+        spans["local"] = (starts, starts + w)
+
+    sentence_bytes = rules.sentences(b)
+    if config.enabled("sentence"):
+        spans["sentence"] = to_tokens(*sentence_bytes)
+
+    if config.enabled("syntax"):
+        parts = [rules.brackets(b, config.syntax_max_depth), rules.quotes(b), rules.indent_blocks(b)]
+        start, end = to_tokens(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
+        keep = end - start <= config.syntax_max_span
+        spans["syntax"] = _sort_by_time(start[keep], end[keep])[:2]
+
+    if config.enabled("instruction"):
+        spans["instruction"] = _sort_by_time(*to_tokens(*rules.instructions(b, config.instruction_cues)))[:2]
+
+    if config.enabled("topic") and topic_model is not None and sentence_bytes[0].numel():
+        raw = bytes(b.numpy())
+        texts = [raw[s:e].decode("utf-8", errors="replace")
+                 for s, e in zip(sentence_bytes[0].tolist(), sentence_bytes[1].tolist())]
+        start, end, topic = _sort_by_time(*to_tokens(*sentence_bytes), topic_model.predict(texts))
+        spans["topic"], attrs["topic"] = (start, end), topic
+        edges[("topic", "same_topic", "topic")] = torch.stack(_link_previous(topic, config.topic_links))
+
+    if config.enabled("memory"):
+        start, end, entity = rules.words(b, config.memory_min_len, config.memory_max_len)
+        start, end, entity = _sort_by_time(*to_tokens(start, end), entity)
+        spans["memory"] = (start, end)
+        edges[("memory", "recurs", "memory")] = torch.stack(_link_previous(entity, config.memory_links))
+
+    m = config.retrieval_key_len
+    if config.enabled("retrieval") and n > m:
+        keys = torch.unique(ids.unfold(0, m, 1), dim=0, return_inverse=True)[1]  # (n-m+1,), key ending at t = i+m-1
+        earlier, later = _link_previous(keys, config.retrieval_links)
+        has_match = torch.zeros(n, dtype=torch.bool)
+        has_match[later + m - 1] = True
+        positions = torch.nonzero(has_match).squeeze(1)
+        node_of_position = torch.cumsum(has_match, 0) - 1
+        spans["retrieval"] = (positions - m + 1, positions + 1)
+        # the token right after the earlier match -> the retrieval node at t
+        edges[("token", "recalls", "retrieval")] = torch.stack([earlier + m, node_of_position[later + m - 1]])
+
+    registers = config.workspace_registers
+    if config.enabled("workspace") and num_windows:
+        window = torch.repeat_interleave(_arange(num_windows), registers)  # (num_windows * R,)
+        spans["workspace"] = (window * w, window * w + w)
+        attrs["workspace"] = _arange(num_windows * registers) % registers
+        if config.enabled("local"):
+            edges[("local", "writes", "workspace")] = torch.stack([window, _arange(window.numel())])
+
+    spans["output"] = (_arange(n), _arange(n) + 1)
+
+    for p in COVERED_TYPES:
+        if spans[p][0].numel():
+            edges[("token", "in", p)] = _cover(spans[p])
+    for p in CHAINED_TYPES:
+        count = spans[p][0].numel()
+        lag = registers if p == "workspace" else 1  # each register chains to itself
+        if count > lag:
+            edges[(p, "next", p)] = torch.stack([_arange(count - lag), _arange(count - lag) + lag])
+    instr_end = spans["instruction"][1]
+    if instr_end.numel():
+        for p in ANCHORED_TYPES:
+            target_start = spans[p][0]
+            latest = torch.searchsorted(instr_end, target_start, right=True) - 1
+            ok = (latest >= 0) & (target_start - instr_end[latest.clamp(min=0)] < config.anchor_scope)
+            edges[("instruction", "anchors", p)] = torch.stack([latest[ok], _arange(target_start.numel())[ok]])
+
+    positions = _arange(n)
+    edges[("token", "reads", "output")] = torch.stack([positions, positions])
+    for p in READ_TYPES[1:]:
+        time = spans[p][1] - 1
+        if time.numel() == 0:
+            continue
+        last = config.readout_last * (registers if p == "workspace" else 1)
+        count = torch.searchsorted(time, positions, right=True)  # nodes with time <= t
+        src = torch.cat([count - 1 - k for k in range(last)])
+        dst = positions.repeat(last)
+        ok = src >= 0
+        edges[(p, "reads", "output")] = torch.stack([src[ok], dst[ok]])
+
+    data = HeteroData()
+    data["token"].x = ids
+    data["token"].pos = positions
+    data["token"].time = positions.clone()
+    data["token"].num_nodes = n
+    for p in PATCH_TYPES:
+        start, end = spans[p]
+        data[p].span = torch.stack([start, end], 1)
+        data[p].time = end - 1
+        data[p].num_nodes = start.numel()
+    for p, name in _EXTRA_ATTRS.items():
+        data[p][name] = attrs[p]
+    for edge_type, edge_index in edges.items():
+        data[edge_type].edge_index = edge_index
+    return data
+
+
+def validate_site(data: HeteroData) -> HeteroData:
+    """Check the schema and causality of a site (or a batch of sites).
+
+    Raises:
+        ValueError: naming the missing type or attribute, or the edge type and
+            an example edge with ``time[src] > time[dst]``.
+    """
+    if not isinstance(data, HeteroData):
+        raise ValueError(f"validate_site: expected a HeteroData, got {type(data).__name__}")
+    for node_type in NODE_TYPES:
+        if node_type not in data.node_types:
+            raise ValueError(f"validate_site: node type '{node_type}' is missing")
+        store = data[node_type]
+        time = store.get("time")
+        if not isinstance(time, Tensor) or time.dtype != torch.long or time.dim() != 1:
+            raise ValueError(f"validate_site: '{node_type}'.time must be a 1-D LongTensor")
+        if time.numel() != store.num_nodes:
+            raise ValueError(f"validate_site: '{node_type}' has {store.num_nodes} nodes but {time.numel()} times")
+        if node_type == "token":
+            for name in ("x", "pos"):
+                if store.get(name) is None or store[name].shape != time.shape:
+                    raise ValueError(f"validate_site: 'token'.{name} must be a LongTensor of shape {tuple(time.shape)}")
+            continue
+        span = store.get("span")
+        if not isinstance(span, Tensor) or span.shape != (time.numel(), 2):
+            raise ValueError(f"validate_site: '{node_type}'.span must have shape ({time.numel()}, 2)")
+        bad = (span[:, 0] >= span[:, 1]) | (time != span[:, 1] - 1)
+        if bad.any():
+            i = int(torch.nonzero(bad)[0])
+            raise ValueError(f"validate_site: '{node_type}' node {i} has span {span[i].tolist()} "
+                             f"and time {int(time[i])}; need start < end and time == end - 1")
+        name = _EXTRA_ATTRS.get(node_type)
+        if name is not None and (store.get(name) is None or store[name].shape != time.shape):
+            raise ValueError(f"validate_site: '{node_type}'.{name} must have shape {tuple(time.shape)}")
+    for edge_type in EDGE_TYPES:
+        if edge_type not in data.edge_types:
+            raise ValueError(f"validate_site: edge type {edge_type} is missing")
+        edge_index = data[edge_type].get("edge_index")
+        if not isinstance(edge_index, Tensor) or edge_index.dim() != 2 or edge_index.size(0) != 2:
+            raise ValueError(f"validate_site: {edge_type}.edge_index must have shape (2, E)")
+        src_type, _, dst_type = edge_type
+        src, dst = edge_index
+        for index, node_type in ((src, src_type), (dst, dst_type)):
+            if index.numel() and (int(index.min()) < 0 or int(index.max()) >= data[node_type].num_nodes):
+                raise ValueError(f"validate_site: {edge_type} indexes a '{node_type}' node out of range")
+        future = data[src_type].time[src] > data[dst_type].time[dst]
+        if future.any():
+            i = int(torch.nonzero(future)[0])
+            s, d = int(src[i]), int(dst[i])
+            raise ValueError(f"validate_site: edge type {edge_type} is not causal: edge {s} -> {d} has "
+                             f"time {int(data[src_type].time[s])} > {int(data[dst_type].time[d])}")
+    return data
+
+
+class SiteBuilder(BaseTransform):
+    r"""The site builder as a PyG transform: text or token ids to a causal site.
+
+    Accepts a ``str``/``bytes``/1-D id tensor, or a ``Data``/``HeteroData``
+    whose ids are in ``x`` (or ``data['token'].x``); see :func:`build_site`.
+
+    Args:
+        config (SiteConfig, optional): the patch rules.
+        tokenizer (optional): the tokenizer (default: :class:`ByteTokenizer`).
+        topic_model (TopicModel, optional): for ``topic`` patches.
+    """
+
+    def __init__(self, config: SiteConfig | None = None, tokenizer=None,
+                 topic_model: TopicModel | None = None) -> None:
+        self.config = config if config is not None else SiteConfig()
+        self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
+        self.topic_model = topic_model
+
+    def forward(self, data) -> HeteroData:
+        if isinstance(data, HeteroData):
+            data = data["token"].x
+        elif hasattr(data, "x") and isinstance(data.x, Tensor):
+            data = data.x
+        return build_site(data, self.config, tokenizer=self.tokenizer, topic_model=self.topic_model)
+
+    def __repr__(self) -> str:
+        types = ", ".join(self.config.patch_types)
+        return f"{self.__class__.__name__}(patch_types=[{types}], local_window={self.config.local_window})"

@@ -1,0 +1,42 @@
+import pytest
+import torch
+
+from sheafgnn.site import SiteConfig, TopicModel
+from sheafgnn.site.rules import split_sentences
+
+torch.set_num_threads(1)
+
+PROSE = (
+    "### Instruction: summarise the passage below.\n"
+    "The cat sat on the mat. Then (it [went] away) to \"the\" store! The cat came back at 3.14 pm.\n\n"
+    "Q: where did the cat go?\nUser: tell me about the cat and the store.\n"
+    "Another paragraph begins here. The store sells fish; the cat likes fish. Fish, fish, fish.\n"
+)
+CODE = (
+    "def gcd(a, b):\n"
+    "    \"\"\"Greatest common divisor.\"\"\"\n"
+    "    while b:\n"
+    "        a, b = b, a % b\n"
+    "    return a\n\n"
+    "class Point:\n"
+    "    def __init__(self, x, y):\n"
+    "        self.x = x  # the x coordinate\n"
+    "        self.y = y\n"
+    "    def norm(self):\n"
+    "        return (self.x ** 2 + self.y ** 2) ** 0.5\n"
+    "print(gcd(12, 18), Point(3, 4).norm())\n"
+)
+
+
+@pytest.fixture(scope="session")
+def topic_model() -> TopicModel:
+    sentences = split_sentences(PROSE * 3) + split_sentences(CODE) + [f"sentence number {i}. " for i in range(20)]
+    return TopicModel.fit(sentences, num_topics=4, n_features=1 << 10)
+
+
+@pytest.fixture(scope="session")
+def full_config(tmp_path_factory, topic_model) -> SiteConfig:
+    """Every patch type switched on, small windows so short texts use them all."""
+    path = tmp_path_factory.mktemp("topics") / "topics.safetensors"
+    topic_model.save(path)
+    return SiteConfig(local_window=8, retrieval_key_len=2, memory_min_len=2, topic_model=str(path))
