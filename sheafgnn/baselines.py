@@ -1,0 +1,327 @@
+r"""Baselines for the Sheaf-State LM: a dense and a local-window causal Transformer.
+
+Both are one class, :class:`CausalTransformer`; ``config.window`` picks the
+attention pattern. Positions are encoded with rotary embeddings (RoPE,
+Su et al. 2021, "RoFormer"), so there is no position table and no maximum
+length: a model trained at 256 tokens runs at 16k.
+
+::
+
+    CausalTransformer
+    ├── wte        Embedding(V, C)              idx (B, T) -> x (B, T, C)
+    ├── blocks     n_layers x Block             pre-norm, residual
+    │   ├── ln_1 -> CausalSelfAttention         (B, T, C) -> (B, T, C)
+    │   │     dense: SDPA(is_causal=True)       O(T^2)
+    │   │     local: local_attention(window=w)  O(T * w), blocked
+    │   └── ln_2 -> MLP                         (B, T, C) -> (B, T, C)
+    ├── ln_f
+    └── lm_head    Linear(C, V), tied to wte    (B, T, C) -> logits (B, T, V)
+
+The local variant restricts position t to keys t-w+1..t. It is computed in
+blocks of w queries, each attending to the 2w keys of its own and the previous
+block through a fixed (w, 2w) band mask, so no (T, T) matrix is ever built.
+:func:`band_attention_reference` is the slow, obviously-correct version that
+the tests compare it against.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class TransformerConfig:
+    """Hyperparameters of :class:`CausalTransformer` (prints itself)."""
+
+    vocab_size: int = 256  # V: number of token ids (256 = byte-level)
+    d_model: int = 256  # C: residual stream width
+    n_layers: int = 4  # number of pre-norm Transformer blocks
+    n_heads: int = 4  # attention heads; head_dim = d_model // n_heads, must be even (RoPE)
+    mlp_ratio: int = 4  # MLP hidden width = mlp_ratio * d_model
+    dropout: float = 0.0  # dropout on attention weights and residual branches
+    window: int | None = None  # None = dense causal; w = attend to the last w tokens (self included)
+    rope_base: float = 10000.0  # RoPE frequency base
+    bias: bool = False  # biases in Linear and LayerNorm layers
+
+
+# ---------------------------------------------------------------------------
+# Rotary position embedding
+# ---------------------------------------------------------------------------
+
+
+def rope_cos_sin(seq_len: int, head_dim: int, base: float, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Cosine and sine tables for RoPE, each of shape (T, head_dim // 2), float32."""
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.arange(seq_len, device=device, dtype=torch.float32)[:, None] * inv_freq  # (T, D/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate channel pairs (i, i + D/2) of ``x`` (B, H, T, D) by the position angle."""
+    x1, x2 = x.float().chunk(2, dim=-1)  # (B, H, T, D/2) each
+    out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)  # (B, H, T, D)
+    return out.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------
+# Local (sliding-window) attention: blocked fast path and dense reference
+# ---------------------------------------------------------------------------
+
+
+def local_attention(q: Tensor, k: Tensor, v: Tensor, window: int, dropout_p: float = 0.0) -> Tensor:
+    r"""Causal sliding-window attention in O(T * w) time and memory.
+
+    Query t attends to keys t-w+1..t. Queries are split into blocks of w; block
+    b attends to the keys of blocks b-1 and b (2w keys) under one (w, 2w) band
+    mask: local query i may see local key j iff i < j <= i + w.
+
+    Args:
+        q, k, v (Tensor): queries, keys and values.
+        window (int): the window w >= 1, the current token included.
+        dropout_p (float, optional): attention dropout. (default: :obj:`0.0`)
+
+    Shapes:
+        - **input:** q, k, v (B, H, T, D)
+        - **output:** (B, H, T, D)
+    """
+    if window < 1:
+        raise ValueError(f"local_attention: window must be >= 1 (got {window})")
+    B, H, T, D = q.shape
+    w = window
+    n = -(-T // w)  # number of query blocks, ceil(T / w)
+    pad = n * w - T
+    # Queries padded at the end (discarded below); keys/values also get w zero rows
+    # in front, so block b's "previous block" is defined for b = 0.
+    # Blocks are folded into the head axis so SDPA sees 4-D inputs (fused GPU kernels).
+    q_blk = F.pad(q, (0, 0, 0, pad)).view(B * H, n, w, D)  # (BH, n, w, D)
+    k_pad = F.pad(k, (0, 0, w, pad))  # (B, H, (n+1)w, D)
+    v_pad = F.pad(v, (0, 0, w, pad))  # (B, H, (n+1)w, D)
+    k_blk = torch.cat([k_pad[:, :, : n * w].reshape(B * H, n, w, D), k_pad[:, :, w:].reshape(B * H, n, w, D)], dim=2)
+    v_blk = torch.cat([v_pad[:, :, : n * w].reshape(B * H, n, w, D), v_pad[:, :, w:].reshape(B * H, n, w, D)], dim=2)
+    # k_blk, v_blk: (BH, n, 2w, D); key j of block b sits at position (b - 1) * w + j.
+    i = torch.arange(w, device=q.device)[:, None]  # (w, 1)
+    j = torch.arange(2 * w, device=q.device)[None, :]  # (1, 2w)
+    band = (j > i) & (j <= i + w)  # (w, 2w)
+    first = j >= w  # block 0 has no previous block: its first w keys are padding
+    mask = band.expand(n, w, 2 * w).clone()  # (n, w, 2w), broadcast over BH
+    mask[0] &= first
+    out = F.scaled_dot_product_attention(q_blk, k_blk, v_blk, attn_mask=mask, dropout_p=dropout_p)  # (BH, n, w, D)
+    return out.reshape(B, H, n * w, D)[:, :, :T]  # (B, H, T, D)
+
+
+def band_attention_reference(q: Tensor, k: Tensor, v: Tensor, window: int | None) -> Tensor:
+    """Slow reference: softmax attention under an explicit (T, T) causal band mask.
+
+    ``window=None`` gives dense causal attention. Shapes as in :func:`local_attention`.
+    """
+    T = q.shape[-2]
+    pos = torch.arange(T, device=q.device)
+    allowed = pos[None, :] <= pos[:, None]  # (T, T): key <= query
+    if window is not None:
+        allowed &= pos[None, :] > pos[:, None] - window  # key > query - w
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, T, T)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return scores.softmax(dim=-1) @ v  # (B, H, T, D)
+
+
+# ---------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with RoPE; dense or sliding-window."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.window = config.window
+        self.dropout = config.dropout
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=config.bias)
+        self.proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
+        self.resid_drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, C // self.n_heads).permute(2, 0, 3, 1, 4)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (B, H, T, D)
+        p = self.dropout if self.training else 0.0
+        if self.window is None or self.window >= T:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # (B, H, T, D)
+        else:
+            y = local_attention(q, k, v, self.window, dropout_p=p)  # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
+        return self.resid_drop(self.proj(y))
+
+
+class MLP(nn.Module):
+    """Position-wise GELU MLP, C -> mlp_ratio * C -> C."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.d_model, config.mlp_ratio * config.d_model, bias=config.bias)
+        self.proj = nn.Linear(config.mlp_ratio * config.d_model, config.d_model, bias=config.bias)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x))))  # (B, T, C)
+
+
+class Block(nn.Module):
+    """Pre-norm Transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.d_model, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.d_model, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_1(x), cos, sin)  # (B, T, C)
+        return x + self.mlp(self.ln_2(x))  # (B, T, C)
+
+
+class CausalTransformer(nn.Module):
+    r"""Decoder-only Transformer baseline, dense or local-window.
+
+    Pre-norm blocks, RoPE, GELU MLP, tied input/output embeddings. With
+    ``config.window = None`` attention is dense causal through
+    :func:`~torch.nn.functional.scaled_dot_product_attention`; with
+    ``config.window = w`` position t sees only t-w+1..t, computed blocked in
+    O(T * w) by :func:`local_attention`.
+
+    Args:
+        config (TransformerConfig): the hyperparameters.
+
+    Shapes:
+        - **input:** token ids (B, T)
+        - **output:** logits (B, T, V)
+    """
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        c = config
+        if c.vocab_size < 1 or c.d_model < 1 or c.n_layers < 1 or c.n_heads < 1:
+            raise ValueError(f"CausalTransformer: vocab_size, d_model, n_layers and n_heads must be >= 1 (got {c})")
+        if c.d_model % c.n_heads != 0 or (c.d_model // c.n_heads) % 2 != 0:
+            raise ValueError(
+                "CausalTransformer: d_model must be a multiple of 2 * n_heads so that the head dimension is "
+                f"even for RoPE (got d_model={c.d_model}, n_heads={c.n_heads})"
+            )
+        if c.window is not None and c.window < 1:
+            raise ValueError(f"CausalTransformer: window must be None (dense) or >= 1 (got {c.window})")
+        if not 0.0 <= c.dropout < 1.0:
+            raise ValueError(f"CausalTransformer: dropout must be in [0, 1) (got {c.dropout})")
+        self.config = config
+        self.wte = nn.Embedding(c.vocab_size, c.d_model)
+        self.drop = nn.Dropout(c.dropout)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layers))
+        self.ln_f = nn.LayerNorm(c.d_model, bias=c.bias)
+        self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied embeddings
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 init: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layers)."""
+        for name, p in self.named_parameters():
+            if p.dim() == 1 and name.endswith("weight"):  # LayerNorm gain
+                nn.init.ones_(p)
+            elif p.dim() == 1:  # biases
+                nn.init.zeros_(p)
+            else:
+                std = 0.02 / math.sqrt(2 * self.config.n_layers) if name.endswith("proj.weight") else 0.02
+                nn.init.normal_(p, mean=0.0, std=std)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        if idx.dim() != 2:
+            raise ValueError(f"CausalTransformer: idx must have shape (B, T) (got {tuple(idx.shape)})")
+        T = idx.shape[1]
+        cos, sin = rope_cos_sin(T, self.config.d_model // self.config.n_heads, self.config.rope_base, idx.device)
+        x = self.drop(self.wte(idx))  # (B, T, C)
+        for block in self.blocks:
+            x = block(x, cos, sin)  # (B, T, C)
+        return self.lm_head(self.ln_f(x))  # (B, T, V)
+
+    def loss(self, idx: Tensor, targets: Tensor) -> Tensor:
+        """Mean next-token cross-entropy; targets equal to -100 are ignored.
+
+        Shapes: idx (B, T), targets (B, T) -> scalar.
+        """
+        logits = self(idx)  # (B, T, V)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+
+
+# ---------------------------------------------------------------------------
+# Parameter matching
+# ---------------------------------------------------------------------------
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of distinct parameter entries (tied weights counted once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def _count_for(config: TransformerConfig) -> int:
+    with torch.device("meta"):  # shapes only, no memory, no init cost
+        return count_parameters(CausalTransformer(config))
+
+
+def match_width(
+    target_params: int,
+    make_config: Callable[[int], TransformerConfig],
+    *,
+    multiple_of: int | None = None,
+    tolerance: float = 0.1,
+) -> TransformerConfig:
+    """Pick ``d_model`` so that the model has about ``target_params`` parameters.
+
+    Candidates are multiples of ``multiple_of`` (default: ``2 * n_heads`` of
+    ``make_config(64)``, which keeps the head dimension even for RoPE); the
+    count grows with ``d_model``, so a bisection finds the candidate closest to
+    the target.
+
+    Args:
+        target_params (int): the parameter count to match, e.g.
+            ``count_parameters(sheaf_model)``.
+        make_config (Callable[[int], TransformerConfig]): builds a config from a
+            ``d_model``; everything but the width stays fixed.
+        multiple_of (int, optional): step of the ``d_model`` grid.
+            (default: :obj:`None`)
+        tolerance (float, optional): the largest accepted relative error.
+            (default: :obj:`0.1`)
+
+    Raises:
+        ValueError: if no width comes within ``tolerance`` of the target.
+    """
+    if target_params < 1:
+        raise ValueError(f"match_width: target_params must be >= 1 (got {target_params})")
+    step = multiple_of if multiple_of is not None else 2 * make_config(64).n_heads
+    if step < 1:
+        raise ValueError(f"match_width: multiple_of must be >= 1 (got {step})")
+    lo, hi = 1, 1  # in units of step
+    while _count_for(make_config(hi * step)) < target_params:
+        lo, hi = hi, hi * 2
+        if hi * step > 1 << 20:
+            raise ValueError(f"match_width: no d_model up to {hi * step} reaches {target_params} parameters")
+    while hi - lo > 1:  # invariant: count(lo) < target <= count(hi), unless lo == 1
+        mid = (lo + hi) // 2
+        if _count_for(make_config(mid * step)) < target_params:
+            lo = mid
+        else:
+            hi = mid
+    best = min((make_config(k * step) for k in {lo, hi}), key=lambda c: abs(_count_for(c) - target_params))
+    err = abs(_count_for(best) - target_params) / target_params
+    if err > tolerance:
+        raise ValueError(
+            f"match_width: the closest width d_model={best.d_model} has {_count_for(best)} parameters, "
+            f"{err:.1%} from the target {target_params} (tolerance {tolerance:.0%}); change n_layers, "
+            "vocab_size or multiple_of"
+        )
+    return best
