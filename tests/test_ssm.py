@@ -1,0 +1,290 @@
+"""Phi: the chunked SSD scan against the per-step reference, and SelectiveSSM."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sheafgnn.nn.ssm import (
+    SelectiveSSM,
+    SSMState,
+    ssd_scan,
+    ssd_scan_sequential,
+)
+
+
+def scan_inputs(L, H=3, P=4, N=5, p_reset=0.15, dtype=torch.float64, seed=0):
+    """Random scan inputs with random chain starts (reset[0] left random)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(L, H, P, generator=g, dtype=dtype)
+    dt = torch.nn.functional.softplus(torch.randn(L, H, generator=g, dtype=dtype))
+    A = -torch.rand(H, generator=g, dtype=dtype) * 2.0 - 0.05
+    B = torch.randn(L, N, generator=g, dtype=dtype)
+    C = torch.randn(L, N, generator=g, dtype=dtype)
+    reset = torch.rand(L, generator=g) < p_reset
+    return x, dt, A, B, C, reset
+
+
+def chain_stream(lengths):
+    """reset mask for chains of the given lengths laid end to end."""
+    reset = torch.zeros(sum(lengths), dtype=torch.bool)
+    reset[torch.tensor([0] + lengths[:-1]).cumsum(0)] = True
+    return reset
+
+
+# ----------------------------------------------------------------------------
+# ssd_scan vs ssd_scan_sequential
+
+
+@pytest.mark.parametrize("L,chunk", [(1, 8), (5, 8), (8, 8), (37, 8), (50, 16), (64, 16)])
+@pytest.mark.parametrize("use_reset", [True, False])
+def test_scan_matches_sequential_forward_and_grad(L, chunk, use_reset):
+    torch.manual_seed(0)
+    x, dt, A, B, C, reset = scan_inputs(L, seed=L)
+    reset = reset if use_reset else None
+    leaves = [t.clone().requires_grad_() for t in (x, dt, A, B, C)]
+    ref_leaves = [t.clone().requires_grad_() for t in (x, dt, A, B, C)]
+
+    y, h = ssd_scan(*leaves, reset, chunk, return_final_state=True)
+    y_ref, h_ref = ssd_scan_sequential(*ref_leaves, reset, chunk, return_final_state=True)
+    assert y.shape == (L, 3, 4) and h.shape == (3, 4, 5)
+    torch.testing.assert_close(y, y_ref, atol=1e-10, rtol=1e-8)
+    torch.testing.assert_close(h, h_ref, atol=1e-10, rtol=1e-8)
+
+    gy, gh = torch.randn_like(y), torch.randn_like(h)
+    grads = torch.autograd.grad((y * gy).sum() + (h * gh).sum(), leaves)
+    grads_ref = torch.autograd.grad((y_ref * gy).sum() + (h_ref * gh).sum(), ref_leaves)
+    for name, got, want in zip(["x", "dt", "A", "B", "C"], grads, grads_ref, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-9, rtol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("pattern", ["every", "chunk_edges", "last", "pairs"])
+def test_scan_reset_edge_cases(pattern):
+    L, chunk = 33, 8
+    x, dt, A, B, C, _ = scan_inputs(L, seed=11)
+    reset = torch.zeros(L, dtype=torch.bool)
+    if pattern == "every":
+        reset[:] = True  # every chain has length 1
+    elif pattern == "chunk_edges":
+        reset[::chunk] = True
+    elif pattern == "last":
+        reset[L - 1] = True
+    else:
+        reset[[7, 8, 15, 16, 17]] = True  # starts right before/at/after chunk edges
+    y, h = ssd_scan(x, dt, A, B, C, reset, chunk, return_final_state=True)
+    y_ref, h_ref = ssd_scan_sequential(x, dt, A, B, C, reset, return_final_state=True)
+    torch.testing.assert_close(y, y_ref, atol=1e-10, rtol=1e-8)
+    torch.testing.assert_close(h, h_ref, atol=1e-10, rtol=1e-8)
+
+
+@settings(max_examples=25, deadline=None)
+@given(L=st.integers(1, 40), chunk=st.integers(1, 12), seed=st.integers(0, 2**16),
+       p_reset=st.sampled_from([0.0, 0.1, 0.5, 1.0]))
+def test_scan_matches_sequential_property(L, chunk, seed, p_reset):
+    x, dt, A, B, C, reset = scan_inputs(L, H=2, P=2, N=3, p_reset=p_reset, seed=seed)
+    y = ssd_scan(x, dt, A, B, C, reset, chunk)
+    y_ref = ssd_scan_sequential(x, dt, A, B, C, reset)
+    torch.testing.assert_close(y, y_ref, atol=1e-10, rtol=1e-8)
+
+
+def test_scan_float32_agrees_to_1e4():
+    x, dt, A, B, C, reset = scan_inputs(200, H=2, P=8, N=16, dtype=torch.float32, seed=3)
+    y = ssd_scan(x, dt, A, B, C, reset, chunk_size=32)
+    y_ref = ssd_scan_sequential(x, dt, A, B, C, reset)
+    torch.testing.assert_close(y, y_ref, atol=1e-4, rtol=1e-4)
+
+
+def test_scan_half_precision_runs_in_float32():
+    x, dt, A, B, C, reset = scan_inputs(40, dtype=torch.float32, seed=8)
+    y32 = ssd_scan(x, dt, A, B, C, reset, chunk_size=16)
+    args = [t.bfloat16() for t in (x, dt, A, B, C)]
+    y16 = ssd_scan(*args, reset, chunk_size=16)
+    assert y16.dtype == torch.bfloat16
+    y_ref = ssd_scan(*[t.float() for t in args], reset, chunk_size=16)
+    torch.testing.assert_close(y16.float(), y_ref, atol=0.05, rtol=0.02)
+    assert (y16.float() - y32).abs().max() < 0.5
+
+
+def test_scan_independent_of_chunk_size():
+    x, dt, A, B, C, reset = scan_inputs(300, seed=4)
+    ys = [ssd_scan(x, dt, A, B, C, reset, chunk_size=q) for q in (1, 3, 16, 64, 512)]
+    for y in ys[1:]:
+        torch.testing.assert_close(y, ys[0], atol=1e-10, rtol=1e-8)
+
+
+def test_reset_none_equals_single_chain_mask():
+    x, dt, A, B, C, _ = scan_inputs(40, seed=5)
+    y_none = ssd_scan(x, dt, A, B, C, None, chunk_size=8)
+    all_false = torch.zeros(40, dtype=torch.bool)
+    first_only = all_false.clone()
+    first_only[0] = True
+    torch.testing.assert_close(ssd_scan(x, dt, A, B, C, all_false, 8), y_none)
+    torch.testing.assert_close(ssd_scan(x, dt, A, B, C, first_only, 8), y_none)
+
+
+def test_reset_cuts_the_past_exactly():
+    """A chain start at t: y[t:] of that chain ignores everything before t."""
+    L, t = 45, 19
+    x, dt, A, B, C, _ = scan_inputs(L, seed=6)
+    reset = torch.zeros(L, dtype=torch.bool)
+    reset[t] = True
+    y = ssd_scan(x, dt, A, B, C, reset, chunk_size=8)
+    x2, dt2, B2, C2 = x.clone(), dt.clone(), B.clone(), C.clone()
+    x2[:t] += 1.0
+    dt2[:t] *= 3.0
+    B2[:t] -= 2.0
+    C2[:t] += 0.5
+    y2 = ssd_scan(x2, dt2, A, B2, C2, reset, chunk_size=8)
+    assert (y2[:t] - y[:t]).abs().max() > 1e-3
+    torch.testing.assert_close(y2[t:], y[t:], atol=1e-12, rtol=0.0)
+    # and it equals running the tail as a chain of its own
+    y_tail = ssd_scan(x[t:], dt[t:], A, B[t:], C[t:], None, chunk_size=8)
+    torch.testing.assert_close(y[t:], y_tail, atol=1e-12, rtol=1e-10)
+
+
+def test_scan_gradients_finite_under_extreme_decay():
+    """Masked log decays (-inf) and underflowing exp must not make NaN grads."""
+    x, dt, A, B, C, reset = scan_inputs(70, dtype=torch.float32, p_reset=0.3, seed=7)
+    dt = (dt * 200.0).requires_grad_()  # exp(dt * A) underflows to 0
+    A = (A * 10.0).requires_grad_()
+    leaves = [x.requires_grad_(), dt, A, B.requires_grad_(), C.requires_grad_()]
+    y = ssd_scan(*leaves, reset, chunk_size=16)
+    grads = torch.autograd.grad(y.sum(), leaves)
+    assert torch.isfinite(y).all()
+    for g in grads:
+        assert torch.isfinite(g).all()
+
+
+def test_scan_rejects_bad_shapes():
+    x, dt, A, B, C, reset = scan_inputs(10)
+    with pytest.raises(ValueError, match="dt must have shape"):
+        ssd_scan(x, dt[:, :1], A, B, C, reset)
+    with pytest.raises(ValueError, match="reset must be a bool"):
+        ssd_scan(x, dt, A, B, C, reset.long())
+    with pytest.raises(ValueError, match="chunk_size"):
+        ssd_scan(x, dt, A, B, C, reset, chunk_size=0)
+
+
+# ----------------------------------------------------------------------------
+# SelectiveSSM
+
+
+def make_block(d_model=16, **kwargs):
+    torch.manual_seed(0)
+    kwargs = {"d_state": 8, "headdim": 8, "chunk_size": 8, **kwargs}
+    return SelectiveSSM(d_model, **kwargs).double()
+
+
+def test_block_shapes_repr_and_init():
+    block = SelectiveSSM(64)
+    assert str(block) == "SelectiveSSM(64, d_state=16, expand=2, headdim=32, chunk_size=64)"
+    assert block.nheads == 4 and block.headdim == 32
+    out = block(torch.randn(10, 64))
+    assert out.shape == (10, 64)
+    dt0 = torch.nn.functional.softplus(block.dt_bias)
+    assert (dt0 >= block.dt_min * 0.999).all() and (dt0 <= block.dt_max * 1.001).all()
+    A = -torch.exp(block.A_log)
+    assert (A <= -1.0 + 1e-6).all() and (A >= -16.0 - 1e-6).all()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"d_model": 10, "expand": 2, "headdim": 8}, "headdim must divide"),
+    ({"d_model": 16, "d_state": 0}, "d_state must be a positive int"),
+    ({"d_model": 16, "chunk_size": 0}, "chunk_size must be a positive int"),
+    ({"d_model": 16, "d_conv": 0}, "d_conv must be a positive int"),
+])
+def test_block_invalid_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SelectiveSSM(**kwargs)
+
+
+def test_block_rejects_bad_input():
+    block = make_block()
+    with pytest.raises(ValueError, match="x must have shape"):
+        block(torch.randn(5, 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="reset must have shape"):
+        block(torch.randn(5, 16, dtype=torch.float64), torch.zeros(4, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("d_conv", [1, 4])
+def test_block_causal(d_conv):
+    block = make_block(d_conv=d_conv)
+    torch.manual_seed(1)
+    L = 41
+    x = torch.randn(L, 16, dtype=torch.float64)
+    reset = torch.rand(L) < 0.1
+    out = block(x, reset)
+    for t in (0, 7, 8, 23, 39):
+        x2 = x.clone()
+        x2[t + 1:] += torch.randn(L - t - 1, 16, dtype=torch.float64)
+        out2 = block(x2, reset)
+        torch.testing.assert_close(out2[:t + 1], out[:t + 1], atol=1e-6, rtol=0.0)
+
+
+@pytest.mark.parametrize("d_conv", [1, 4])
+def test_block_chains_independent(d_conv):
+    block = make_block(d_conv=d_conv)
+    torch.manual_seed(2)
+    lengths = [11, 1, 17, 9]
+    reset = chain_stream(lengths)
+    x = torch.randn(sum(lengths), 16, dtype=torch.float64)
+    out = block(x, reset)
+    starts = [0, 11, 12, 29, 38]
+    for c in range(len(lengths)):
+        lo, hi = starts[c], starts[c + 1]
+        x2 = x.clone()
+        x2[lo:hi] += 1.0 + torch.randn(hi - lo, 16, dtype=torch.float64)
+        out2 = block(x2, reset)
+        assert (out2[lo:hi] - out[lo:hi]).abs().max() > 1e-4
+        others = torch.ones(len(x), dtype=torch.bool)
+        others[lo:hi] = False
+        torch.testing.assert_close(out2[others], out[others], atol=1e-6, rtol=0.0)
+        # each chain alone gives the same output as inside the stream
+        torch.testing.assert_close(block(x[lo:hi]), out[lo:hi], atol=1e-10, rtol=1e-8)
+
+
+@pytest.mark.parametrize("d_conv", [1, 4])
+def test_step_matches_forward(d_conv):
+    """Stepping a batch of chains equals the flat parallel forward over them."""
+    block = make_block(d_conv=d_conv)
+    torch.manual_seed(3)
+    batch, L = 3, 20
+    xs = torch.randn(batch, L, 16, dtype=torch.float64)
+    flat = block(xs.reshape(batch * L, 16), chain_stream([L] * batch))
+    flat = flat.view(batch, L, 16)
+    state = block.init_state(batch, device=xs.device, dtype=xs.dtype)
+    assert isinstance(state, SSMState)
+    steps = []
+    for t in range(L):
+        y_t, state = block.step(xs[:, t], state)
+        steps.append(y_t)
+    torch.testing.assert_close(torch.stack(steps, dim=1), flat, atol=1e-10, rtol=1e-8)
+
+
+@pytest.mark.parametrize("prefix", [1, 2, 9, 16])
+def test_prefill_state_then_step(prefix):
+    """forward(..., return_state=True) hands the last chain over to step."""
+    block = make_block()
+    torch.manual_seed(4)
+    L = 24
+    other = torch.randn(7, 16, dtype=torch.float64)  # an earlier chain in the stream
+    x = torch.randn(L, 16, dtype=torch.float64)
+    full = block(x)
+    stream = torch.cat([other, x[:prefix]])
+    _, state = block(stream, chain_stream([7, prefix]), return_state=True)
+    assert state.ssm.shape == (1, block.nheads, block.headdim, block.d_state)
+    steps = []
+    for t in range(prefix, L):
+        y_t, state = block.step(x[t:t + 1], state)
+        steps.append(y_t)
+    torch.testing.assert_close(torch.cat(steps), full[prefix:], atol=1e-10, rtol=1e-8)
+
+
+def test_block_gradients_reach_every_parameter():
+    block = make_block()
+    torch.manual_seed(5)
+    x = torch.randn(30, 16, dtype=torch.float64, requires_grad=True)
+    block(x, torch.rand(30) < 0.2).square().sum().backward()
+    assert torch.isfinite(x.grad).all()
+    for name, p in block.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        assert p.grad.abs().sum() > 0, name
