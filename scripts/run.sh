@@ -4,7 +4,7 @@
 #   sh scripts/run.sh demo    # install everything, run the main demo
 #   sh scripts/run.sh test    # install everything, run the test suite
 #
-# Needs only Python >= 3.10 with pip. torch-scatter and torch-sparse are
+# Needs only Python >= 3.11 with pip. torch-scatter and torch-sparse are
 # compiled from source where pip finds no wheel (about 10 minutes on 2 cores,
 # once; pip caches the wheels). Set TORCH_INDEX_URL to pick a torch build,
 # e.g. https://download.pytorch.org/whl/cpu on a machine without CUDA.

@@ -26,12 +26,14 @@ depends on text after its time.
 from __future__ import annotations
 
 import enum
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
+
+from sheafgnn.config import ConfigFile
 
 EdgeType = tuple[str, str, str]
 
 
-class PatchType(str, enum.Enum):
+class PatchType(enum.StrEnum):
     """The nine patch types of the Sheaf-State LM site."""
 
     LOCAL = "local"
@@ -76,7 +78,7 @@ DEFAULT_CUES = ("###", "Instruction:", "Q:", "User:", "Question:", "Task:")
 
 
 @dataclass
-class SiteConfig:
+class SiteConfig(ConfigFile):
     """How text becomes a site. Every rule can be switched off or tuned.
 
     Printing a config shows every field; :meth:`to_dict` and
@@ -124,11 +126,3 @@ class SiteConfig:
         out["patch_types"] = list(self.patch_types)
         out["instruction_cues"] = list(self.instruction_cues)
         return out
-
-    @classmethod
-    def from_dict(cls, values: dict) -> SiteConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"SiteConfig: unknown fields {unknown}")
-        return cls(**values)

@@ -1,0 +1,264 @@
+r"""SheafStateLM: the Sheaf-State Language Model, M = (C, J, F, Phi, G, E, R).
+
+The site (C, J) comes from :mod:`sheafgnn.site`; the model reads it flat
+(:func:`~sheafgnn.site.flat.flatten_site`). Every node holds a stalk of
+``d_model = stalk_dim * channels`` floats (F). A block is::
+
+    h (N, D)                                      all nodes: tokens, patches, outputs
+    |- Phi  token chain:  h_tok   += SSM(norm(h_tok))          (num_tokens, D)
+    |- read:              h_out   += h_tok                      output t reads token t
+    |- pool tokens into patches:  h += W_pool mean_{cover}(h)   segment_csr over the cover
+    |- Phi  patch chains: h_patch += SSM(norm(h_patch))        each type's chain in time order
+    |- G    gluing:       h = SheafConv(h, kept candidates, gates)   learned topology
+    |- E    experts:      h += PatchExperts(norm(h))           routed by node type
+    '- broadcast:         h_tok += W_out h_out                  output t -> token t
+    R: logits = norm(h_out) @ E_tok^T                            (num_tokens, V), tied
+
+With ``gluing=False`` a block is Phi on tokens and a token feed-forward only:
+the Mamba-style ablation (``ssm`` in the comparisons).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch_geometric.data import HeteroData
+
+from sheafgnn.config import ConfigFile
+from sheafgnn.nn.experts import PatchExperts
+from sheafgnn.nn.segment import ptr_from_index, segment_mean
+from sheafgnn.nn.sheaf import SheafConv
+from sheafgnn.nn.ssm import SelectiveSSM
+from sheafgnn.nn.topology import TopologyScorer
+from sheafgnn.site.builder import build_site
+from sheafgnn.site.flat import FlatSite, flatten_site
+from sheafgnn.site.schema import CANDIDATE_EDGES, NODE_TYPES, SiteConfig
+
+
+@dataclass
+class SheafStateConfig(ConfigFile):
+    """Hyperparameters of :class:`SheafStateLM`; loads from and saves to YAML/TOML/JSON."""
+
+    vocab_size: int = 256  # tokenizer vocabulary (256: byte tokenizer)
+    d_model: int = 128  # stalk width D = stalk_dim * channels
+    n_layers: int = 2  # blocks of (Phi, pool, G, E, broadcast)
+    stalk_dim: int = 4  # d, the stalk dimension of the sheaf
+    map_kind: str = "diag"  # restriction maps: diag | orthogonal | general
+    d_state: int = 16  # SSM state size N
+    expand: int = 2  # SSM inner width = expand * d_model
+    headdim: int = 32  # SSM head dimension P
+    chunk_size: int = 64  # SSD chunk length
+    expert_mult: int = 2  # expert hidden width = expert_mult * d_model
+    num_experts: int = 1  # experts per node type (> 1: top-1 routing + balance loss)
+    topology_k: int = 4  # candidate edges kept per destination and edge type
+    gate_penalty: float = 1e-3  # weight of mean(gate) in the loss (sparsity)
+    balance_weight: float = 1e-2  # weight of the experts' load-balancing loss
+    num_topics: int = 64  # topic ids embedded (ids wrap modulo this)
+    gluing: bool = True  # False: Phi + token feed-forward only (the ssm ablation)
+    site: dict = field(default_factory=dict)  # SiteConfig fields for build_site
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.stalk_dim != 0:
+            raise ValueError(f"SheafStateConfig: stalk_dim must divide d_model "
+                             f"(got {self.stalk_dim} and {self.d_model})")
+        if self.n_layers < 1 or self.vocab_size < 2:
+            raise ValueError(f"SheafStateConfig: need n_layers >= 1 and vocab_size >= 2 "
+                             f"(got {self.n_layers} and {self.vocab_size})")
+        SiteConfig.from_dict(self.site)  # validate early
+
+    @property
+    def site_config(self) -> SiteConfig:
+        return SiteConfig.from_dict(self.site)
+
+
+class SheafBlock(nn.Module):
+    """One block: Phi on tokens and patch chains, pool, G, E, broadcast."""
+
+    def __init__(self, config: SheafStateConfig) -> None:
+        super().__init__()
+        D = config.d_model
+        ssm_args = dict(d_state=config.d_state, expand=config.expand, headdim=config.headdim,
+                        chunk_size=config.chunk_size)
+        self.gluing = config.gluing
+        self.norm_token = nn.LayerNorm(D)
+        self.phi_token = SelectiveSSM(D, **ssm_args)
+        self.norm_expert = nn.LayerNorm(D)
+        num_types = len(NODE_TYPES) if config.gluing else 1
+        self.experts = PatchExperts(D, num_types, config.expert_mult * D, config.num_experts)
+        if not config.gluing:
+            return
+        self.pool = nn.Linear(D, D, bias=False)
+        self.norm_patch = nn.LayerNorm(D)
+        self.phi_patch = SelectiveSSM(D, **ssm_args)
+        self.topology = TopologyScorer(D, len(CANDIDATE_EDGES), config.topology_k)
+        self.glue = SheafConv(D, config.stalk_dim, map_kind=config.map_kind, num_edge_types=len(CANDIDATE_EDGES))
+        self.broadcast = nn.Linear(D, D, bias=False)
+
+    def forward(self, h: Tensor, site: FlatSite) -> tuple[Tensor, dict[str, Tensor]]:
+        p = site.type_ptr
+        tok = slice(0, p[1])
+        h_tok = h[tok] + self.phi_token(self.norm_token(h[tok]), site.token_reset)  # (num_tokens, D)
+        if not self.gluing:
+            out, balance = self.experts(self.norm_expert(h_tok), [0, p[1]])
+            return h_tok + out, {"balance": balance}
+        # Output t reads token t: its state starts from the token's (the 'token reads output' edge).
+        h = torch.cat([h_tok, h[p[1] : p[-2]], h[p[-2] :] + h_tok])  # (N, D)
+        pooled = segment_mean(h[site.cover_src], site.cover_ptr)  # (N, D), zero where nothing is covered
+        h = h + self.pool(pooled)
+        patches = slice(p[1], p[-2])
+        h_patch = h[patches] + self.phi_patch(self.norm_patch(h[patches]), site.patch_reset)
+        h = torch.cat([h[tok], h_patch, h[p[-2]:]])
+
+        gate, keep = self.topology(h, site.glue_index, site.glue_type)  # (E,), (E,)
+        kept_index = site.glue_index[:, keep]  # still sorted by destination
+        kept_gate = gate[keep]
+        kept_ptr = ptr_from_index(kept_index[1], site.num_nodes)
+        h, energy = self.glue(h, kept_index, site.glue_type[keep], kept_gate, return_energy=True, ptr=kept_ptr)
+
+        out, balance = self.experts(self.norm_expert(h), p)
+        h = h + out
+        h_tok = h[tok] + self.broadcast(h[p[-2]:])  # output t -> token t
+        h = torch.cat([h_tok, h[p[1]:]])
+        return h, {"balance": balance, "gate": gate, "keep": keep, "energy": energy}
+
+
+class SheafStateLM(nn.Module):
+    r"""The Sheaf-State Language Model.
+
+    Args:
+        config (SheafStateConfig): hyperparameters.
+
+    Shapes:
+        - **input:** a site ``HeteroData`` (or a PyG ``Batch`` of sites) from
+          :func:`~sheafgnn.site.build_site`
+        - **output:** logits :math:`(\text{num\_tokens}, V)`, one row per position
+    """
+
+    def __init__(self, config: SheafStateConfig) -> None:
+        super().__init__()
+        self.config = config
+        D = config.d_model
+        self.token_embedding = nn.Embedding(config.vocab_size, D)
+        self.type_embedding = nn.Embedding(len(NODE_TYPES), D)
+        self.register_embedding = nn.Embedding(config.site_config.workspace_registers, D)
+        self.topic_embedding = nn.Embedding(config.num_topics, D)
+        self.blocks = nn.ModuleList(SheafBlock(config) for _ in range(config.n_layers))
+        self.norm_out = nn.LayerNorm(D)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for emb in (self.token_embedding, self.type_embedding, self.register_embedding, self.topic_embedding):
+            nn.init.normal_(emb.weight, std=0.02)
+
+    def _check(self, data: HeteroData) -> None:
+        if not isinstance(data, HeteroData):
+            raise ValueError(f"SheafStateLM: expected a site HeteroData from build_site, got {type(data).__name__}")
+        missing = [t for t in NODE_TYPES if t not in data.node_types]
+        if missing or "x" not in data["token"]:
+            raise ValueError(f"SheafStateLM: not a site (missing node types {missing} or token ids); "
+                             "build it with sheafgnn.site.build_site")
+        if data["token"].num_nodes == 0:
+            raise ValueError("SheafStateLM: the site has no tokens")
+        x = data["token"].x
+        if x.dtype != torch.long or x.dim() != 1:
+            raise ValueError(f"SheafStateLM: token ids must be a 1-D LongTensor "
+                             f"(got {x.dtype}, shape {tuple(x.shape)})")
+
+    def _embed(self, data: HeteroData, site: FlatSite) -> Tensor:
+        p = site.type_ptr
+        h = self.type_embedding(site.node_type)  # (N, D)
+        h_tok = h[: p[1]] + self.token_embedding(data["token"].x)
+        if not self.config.gluing:
+            return h_tok
+        topic, workspace = site.block("topic"), site.block("workspace")
+        extra = torch.zeros_like(h)
+        extra[topic] = self.topic_embedding(data["topic"].topic % self.config.num_topics)
+        extra[workspace] = self.register_embedding(data["workspace"].register)
+        return torch.cat([h_tok, h[p[1]:] + extra[p[1]:]])
+
+    def _forward(self, data: HeteroData) -> tuple[Tensor, list[dict[str, Tensor]], FlatSite]:
+        self._check(data)
+        x = data["token"].x
+        if x.numel() and int(x.max()) >= self.config.vocab_size:
+            raise ValueError(f"SheafStateLM: token id {int(x.max())} >= vocab_size {self.config.vocab_size}")
+        site = flatten_site(data)
+        h = self._embed(data, site)  # (N, D), or (num_tokens, D) without gluing
+        infos = []
+        for block in self.blocks:
+            h, info = block(h, site)
+            infos.append(info)
+        h_out = h[site.block("output")] if self.config.gluing else h  # (num_tokens, D)
+        logits = self.norm_out(h_out) @ self.token_embedding.weight.T  # (num_tokens, V)
+        return logits, infos, site
+
+    def forward(self, data: HeteroData) -> Tensor:
+        return self._forward(data)[0]
+
+    def loss(self, data: HeteroData) -> Tensor:
+        """Mean next-token cross-entropy over ``data['token'].y`` plus the auxiliary losses."""
+        if "y" not in data["token"]:
+            raise ValueError("SheafStateLM.loss: the site has no targets data['token'].y")
+        logits, infos, _ = self._forward(data)
+        loss = F.cross_entropy(logits, data["token"].y, ignore_index=-100)
+        for info in infos:
+            loss = loss + self.config.balance_weight * info["balance"]
+            if "gate" in info and info["gate"].numel():
+                loss = loss + self.config.gate_penalty * info["gate"].mean()
+        return loss
+
+    @torch.no_grad()
+    def topology(self, data: HeteroData, block: int = -1) -> dict[tuple[str, str, str], dict[str, Tensor]]:
+        """The learned topology of one block (default: the last).
+
+        Returns, per candidate edge type, the kept edges in that type's node
+        indices with their gates and gluing energies:
+        ``{edge_type: {"edge_index": (2, E_kept), "gate": (E_kept,), "energy": (E_kept,)}}``.
+        """
+        if not self.config.gluing:
+            raise ValueError("SheafStateLM.topology: this model has gluing switched off (the ssm ablation)")
+        was_training = self.training
+        self.eval()
+        _, infos, site = self._forward(data)
+        self.train(was_training)
+        info = infos[block]
+        keep = info["keep"]
+        index, types, gate = site.glue_index[:, keep], site.glue_type[keep], info["gate"][keep]
+        out = {}
+        for t, (src_type, rel, dst_type) in enumerate(CANDIDATE_EDGES):
+            mask = types == t
+            shift = torch.tensor([[site.block(src_type).start], [site.block(dst_type).start]], device=index.device)
+            out[(src_type, rel, dst_type)] = {"edge_index": index[:, mask] - shift, "gate": gate[mask],
+                                              "energy": info["energy"][mask]}
+        return out
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, max_context: int = 4096, tokenizer=None) -> Tensor:
+        """Sample ``max_new_tokens`` after ``prompt_ids`` (1-D), rebuilding the site each step.
+
+        Rebuilding keeps generation exactly the model that was trained (the
+        site grows as text arrives); the cost is O(context) per step.
+        """
+        if prompt_ids.dim() != 1 or prompt_ids.numel() == 0:
+            raise ValueError(f"SheafStateLM.generate: prompt_ids must be a non-empty 1-D tensor "
+                             f"(got shape {tuple(prompt_ids.shape)})")
+        if temperature <= 0:
+            raise ValueError(f"SheafStateLM.generate: temperature must be > 0 (got {temperature})")
+        was_training = self.training
+        self.eval()
+        ids = prompt_ids.long().cpu()
+        site_config = self.config.site_config
+        device = self.token_embedding.weight.device
+        for _ in range(max_new_tokens):
+            data = build_site(ids[-max_context:], site_config, tokenizer=tokenizer).to(device)
+            logits = self(data)[-1] / temperature  # (V,)
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            next_id = torch.multinomial(logits.softmax(-1), 1).cpu()
+            ids = torch.cat([ids, next_id])
+        self.train(was_training)
+        return ids

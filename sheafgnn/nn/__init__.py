@@ -1,0 +1,1 @@
+"""Neural modules of the Sheaf-State LM: Phi (ssm), G (sheaf), E (experts)."""

@@ -1,0 +1,208 @@
+import random
+
+import pytest
+import torch
+from torch_geometric.data import Batch
+
+from sheafgnn.model import SheafStateConfig, SheafStateLM
+from sheafgnn.nn.experts import PatchExperts
+from sheafgnn.nn.segment import HAS_TORCH_SCATTER, use_backend
+from sheafgnn.nn.topology import topk_per_group
+from sheafgnn.site import CANDIDATE_EDGES, build_site
+
+from .conftest import CODE, PROSE
+
+
+def _config(full_config, **kwargs) -> SheafStateConfig:
+    defaults = dict(d_model=32, n_layers=2, stalk_dim=4, headdim=16, chunk_size=16, site=full_config.to_dict())
+    defaults.update(kwargs)
+    return SheafStateConfig(**defaults)
+
+
+def _with_targets(data):
+    ids = data["token"].x
+    data["token"].y = torch.cat([ids[1:], ids.new_full((1,), -100)])
+    return data
+
+
+@pytest.mark.parametrize("text", [PROSE, CODE])
+@pytest.mark.parametrize("map_kind", ["diag", "orthogonal"])
+def test_causal_end_to_end(text, map_kind, full_config):
+    """Logits at positions <= t do not depend on text after t (every patch type on)."""
+    torch.manual_seed(0)
+    config = _config(full_config, map_kind=map_kind, num_experts=2)
+    model = SheafStateLM(config)
+    site_config = config.site_config
+    raw = text.encode()
+    rng = random.Random(1)
+    suffixes = [b" The end. (x) ###\n", b"\n\n    fish cat\nQ: why?\n", b"))]]\"\" the cat sat."]
+    for mode in ("train", "eval"):
+        model.train(mode == "train")
+        for _ in range(3):
+            t = rng.randrange(8, len(raw) - 1)
+            a, b = rng.sample(suffixes, 2)
+            ga, gb = build_site(raw[: t + 1] + a, site_config), build_site(raw[: t + 1] + b, site_config)
+            la, lb = model(ga)[: t + 1], model(gb)[: t + 1]
+            assert torch.allclose(la, lb, atol=1e-5), f"{mode}: logits before t={t} depend on the future"
+
+
+def test_perturbation_test_can_fail(full_config):
+    """The causality check above detects a leak when one is planted."""
+    model = SheafStateLM(_config(full_config)).eval()
+    site_config = model.config.site_config
+    raw = PROSE.encode()
+    t = 60
+    ga, gb = build_site(raw[: t + 1] + b"aaaa. ", site_config), build_site(raw[: t + 1] + b"zzzz. ", site_config)
+    # plant a future edge: the first local window reads the last token
+    for g in (ga, gb):
+        g["token", "in", "local"].edge_index = torch.cat(
+            [g["token", "in", "local"].edge_index, torch.tensor([[g["token"].num_nodes - 1], [0]])], 1)
+    assert not torch.allclose(model(ga)[: t + 1], model(gb)[: t + 1], atol=1e-5)
+
+
+def test_batch_equals_single_graphs(full_config):
+    torch.manual_seed(0)
+    model = SheafStateLM(_config(full_config)).eval()
+    graphs = [build_site(text, model.config.site_config) for text in (PROSE, "ab", CODE)]
+    batched = model(Batch.from_data_list(graphs))
+    single = torch.cat([model(g) for g in graphs])
+    assert torch.allclose(batched, single, atol=1e-5)
+
+
+@pytest.mark.skipif(not HAS_TORCH_SCATTER, reason="torch-scatter not installed")
+def test_backends_agree(full_config):
+    torch.manual_seed(0)
+    model = SheafStateLM(_config(full_config))
+    data = _with_targets(build_site(PROSE, model.config.site_config))
+    grads = []
+    for backend in ("torch_scatter", "torch"):
+        model.zero_grad()
+        with use_backend(backend):
+            loss = model.loss(data)
+            loss.backward()
+        grads.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    assert torch.allclose(grads[0][0], grads[1][0], atol=1e-6)
+    for a, b in zip(grads[0][1], grads[1][1]):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_loss_falls(full_config):
+    torch.manual_seed(0)
+    model = SheafStateLM(_config(full_config))
+    data = _with_targets(build_site(PROSE, model.config.site_config))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(30):
+        opt.zero_grad()
+        loss = model.loss(data)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.6 * losses[0], losses
+
+
+def test_topology_contract(full_config):
+    model = SheafStateLM(_config(full_config, topology_k=1))
+    data = build_site(PROSE, model.config.site_config)
+    topology = model.topology(data)
+    assert set(topology) == set(CANDIDATE_EDGES)
+    for edge_type, out in topology.items():
+        src_type, _, dst_type = edge_type
+        index = out["edge_index"]
+        assert index.shape[0] == 2 and out["gate"].shape == out["energy"].shape == (index.shape[1],)
+        assert ((out["gate"] > 0) & (out["gate"] < 1)).all()
+        assert (out["energy"] >= 0).all()
+        # kept edges are edges of the site, and at most k per destination
+        site_edges = set(map(tuple, data[edge_type].edge_index.T.tolist()))
+        assert set(map(tuple, index.T.tolist())) <= site_edges
+        if index.numel():
+            assert torch.bincount(index[1]).max() <= 1
+        assert (data[src_type].time[index[0]] <= data[dst_type].time[index[1]]).all()
+
+
+def test_topk_per_group():
+    score = torch.tensor([0.1, 0.9, 0.5, 0.3, 0.7, 0.2])
+    group = torch.tensor([0, 0, 0, 1, 1, 2])
+    assert topk_per_group(score, group, 2).tolist() == [False, True, True, True, True, True]
+    assert topk_per_group(score, group, 1).tolist() == [False, True, False, False, True, True]
+
+
+def test_experts_routing_and_balance():
+    torch.manual_seed(0)
+    experts = PatchExperts(8, num_types=2, hidden_channels=16, num_experts=3)
+    x = torch.randn(10, 8)
+    out, balance = experts(x, [0, 4, 10])
+    assert out.shape == (10, 8) and balance > 0
+    # each type's slice goes through that type's experts only
+    part, _ = experts._route(1, x[4:])
+    assert torch.allclose(out[4:], part)
+    with pytest.raises(ValueError, match="type_ptr must have 3 entries"):
+        experts(x, [0, 10])
+
+
+def test_ssm_ablation_has_no_gluing(full_config):
+    model = SheafStateLM(_config(full_config, gluing=False))
+    data = _with_targets(build_site(PROSE, model.config.site_config))
+    assert model(data).shape == (data["token"].num_nodes, 256)
+    assert not any("glue" in name for name, _ in model.named_parameters())
+    with pytest.raises(ValueError, match="gluing switched off"):
+        model.topology(data)
+
+
+def test_generate(full_config):
+    torch.manual_seed(0)
+    model = SheafStateLM(_config(full_config))
+    prompt = torch.tensor(list(b"The cat "))
+    out = model.generate(prompt, max_new_tokens=5, top_k=10)
+    assert out.shape == (13,) and torch.equal(out[:8], prompt)
+    with pytest.raises(ValueError, match="non-empty 1-D"):
+        model.generate(torch.zeros(0, dtype=torch.long), 3)
+
+
+def test_bad_input(full_config):
+    model = SheafStateLM(_config(full_config))
+    with pytest.raises(ValueError, match="stalk_dim must divide d_model"):
+        SheafStateConfig(d_model=30, stalk_dim=4)
+    with pytest.raises(ValueError, match="expected a site HeteroData"):
+        model(torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="no tokens"):
+        model(build_site(""))
+    data = build_site(PROSE)
+    del data["memory"]
+    with pytest.raises(ValueError, match=r"missing node types \['memory'\]"):
+        model(data)
+    big = build_site(PROSE)
+    small = SheafStateLM(_config(full_config, vocab_size=50))
+    with pytest.raises(ValueError, match="vocab_size 50"):
+        small(big)
+    with pytest.raises(ValueError, match="no targets"):
+        model.loss(build_site(PROSE))
+
+
+def test_config_round_trip(tmp_path, full_config):
+    config = _config(full_config, map_kind="general")
+    for suffix in (".yaml", ".json"):
+        path = tmp_path / f"c{suffix}"
+        if suffix == ".yaml":
+            config.save(path)
+        else:
+            import json
+            path.write_text(json.dumps(config.to_dict()))
+        assert SheafStateConfig.load(path) == config
+    path = tmp_path / "c.toml"
+    path.write_text('d_model = 48\nstalk_dim = 3\n[site]\nlocal_window = 4\n')
+    loaded = SheafStateConfig.load(path)
+    assert loaded.d_model == 48 and loaded.site_config.local_window == 4
+    with pytest.raises(ValueError, match="unknown fields"):
+        SheafStateConfig.from_dict({"d_modle": 3})
+    assert "d_model=32" in repr(config)
+
+
+@pytest.mark.slow
+def test_torch_compile_runs(full_config):
+    torch.manual_seed(0)
+    model = SheafStateLM(_config(full_config))
+    data = _with_targets(build_site(PROSE, model.config.site_config))
+    compiled = torch.compile(model, dynamic=True)
+    expected = model(data)
+    assert torch.allclose(compiled(data), expected, atol=1e-4)
