@@ -1,0 +1,125 @@
+"""One language-model contract for every model the training loop runs.
+
+A model takes a PyG ``Batch`` of sites (from :class:`~sheafgnn.data.WindowDataset`)::
+
+    model(batch)      -> logits (num_tokens, V)   one row per token of every window
+    model.loss(batch) -> scalar                   mean cross-entropy over batch['token'].y
+    model.config      -> a dataclass              (its fields are saved with checkpoints)
+
+:class:`~sheafgnn.model.SheafStateLM` reads the site graph itself; the
+Transformer baselines read only the token ids, through :class:`SequenceLM`.
+
+::
+
+    build_model(kind, options, vocab_size, site)
+      sheaf -> SheafStateLM(SheafStateConfig(**options, site=site))
+      ssm   -> SheafStateLM(SheafStateConfig(**options, site=site, gluing=False))
+      dense -> SequenceLM(CausalTransformer(TransformerConfig(**options, window=None)))
+      local -> SequenceLM(CausalTransformer(TransformerConfig(**options)))   window required
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, fields, is_dataclass
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch_geometric.data import HeteroData
+
+from sheafgnn.baselines import CausalTransformer, TransformerConfig
+
+MODEL_KINDS = ("sheaf", "dense", "local", "ssm")
+
+
+class SequenceLM(nn.Module):
+    r"""Runs a sequence model (token ids (B, T) -> logits (B, T, V)) on a batch of sites.
+
+    All windows of a batch have the same length, and PyG concatenates them in
+    order, so ``batch['token'].x`` reshapes to (B, T) without a copy.
+
+    Args:
+        net (nn.Module): e.g. a :class:`~sheafgnn.baselines.CausalTransformer`;
+            it must have a ``config`` attribute.
+
+    Shapes:
+        - **input:** a ``Batch`` of B sites of T tokens each (or one site)
+        - **output:** logits (B * T, V)
+    """
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+        self.config = net.config
+
+    def forward(self, batch: HeteroData) -> Tensor:
+        x = batch["token"].x  # (B * T,)
+        B = getattr(batch, "num_graphs", 1)
+        if x.numel() % B != 0:
+            raise ValueError(f"SequenceLM: {x.numel()} tokens do not split into {B} windows of equal length")
+        return self.net(x.view(B, -1)).flatten(0, 1)  # (B * T, V)
+
+    def loss(self, batch: HeteroData) -> Tensor:
+        """Mean next-token cross-entropy over ``batch['token'].y`` (-100 ignored)."""
+        logits = self(batch)  # (B * T, V)
+        return F.cross_entropy(logits.float(), batch["token"].y, ignore_index=-100)
+
+
+def config_dict(model: nn.Module) -> dict:
+    """``model.config`` as a plain dict (``to_dict()`` if it has one)."""
+    config = model.config
+    if hasattr(config, "to_dict"):
+        return config.to_dict()
+    if is_dataclass(config):
+        return asdict(config)
+    raise TypeError(f"model.config must be a dataclass (got {type(config).__name__})")
+
+
+def _check_fields(cls: type, options: dict, kind: str) -> None:
+    unknown = sorted(set(options) - {f.name for f in fields(cls)})
+    if unknown:
+        raise ValueError(f"model_config for model {kind!r} has unknown fields {unknown}; "
+                         f"{cls.__name__} has {[f.name for f in fields(cls)]}")
+
+
+def build_model(kind: str, options: dict, vocab_size: int, site: dict | None = None) -> nn.Module:
+    """Build a model of the given kind following the contract above.
+
+    Args:
+        kind (str): ``"sheaf"``, ``"ssm"`` (sheaf with gluing off), ``"dense"``
+            or ``"local"``.
+        options (dict): fields of the kind's config dataclass
+            (:class:`~sheafgnn.model.SheafStateConfig` or
+            :class:`~sheafgnn.baselines.TransformerConfig`).
+        vocab_size (int): the tokenizer's vocabulary; ``options`` may repeat it
+            but not contradict it.
+        site (dict, optional): :class:`~sheafgnn.site.SiteConfig` fields, the
+            rules the data was built with (sheaf and ssm read them).
+    """
+    if kind not in MODEL_KINDS:
+        raise ValueError(f"build_model: model must be one of {MODEL_KINDS} (got {kind!r})")
+    options = dict(options)
+    if options.setdefault("vocab_size", vocab_size) != vocab_size:
+        raise ValueError(f"build_model: model_config.vocab_size={options['vocab_size']} but the tokenizer has "
+                         f"{vocab_size} ids; drop vocab_size from model_config")
+    if kind in ("dense", "local"):
+        _check_fields(TransformerConfig, options, kind)
+        if kind == "dense":
+            if options.get("window") is not None:
+                raise ValueError(f"build_model: model 'dense' takes no window (got {options['window']}); "
+                                 "use model 'local'")
+        elif options.get("window") is None:
+            raise ValueError("build_model: model 'local' needs model_config.window (tokens each position sees)")
+        return SequenceLM(CausalTransformer(TransformerConfig(**options)))
+    from sheafgnn.model import SheafStateConfig, SheafStateLM
+
+    _check_fields(SheafStateConfig, options, kind)
+    site = dict(site or {})
+    if options.get("site", site) != site:
+        raise ValueError("build_model: model_config.site differs from the data's site rules; set the site "
+                         "options once, in the training config's top-level `site`")
+    options["site"] = site
+    if kind == "ssm":
+        if options.get("gluing", False):
+            raise ValueError("build_model: model 'ssm' is the sheaf model with gluing off; drop model_config.gluing")
+        options["gluing"] = False
+    return SheafStateLM(SheafStateConfig(**options))
