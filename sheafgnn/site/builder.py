@@ -78,14 +78,26 @@ def _link_previous(keys: Tensor, links: int) -> tuple[Tensor, Tensor]:
     return torch.cat(src), torch.cat(dst)
 
 
+def _window_keys(ids: Tensor, m: int) -> Tensor:
+    """Key of every window of ``m`` consecutive ids: exact base-(V) digits while they fit
+    in 62 bits, else a polynomial hash that wraps in int64 (equal windows, equal keys)."""
+    windows = ids.unfold(0, m, 1)  # (n-m+1, m)
+    base = int(ids.max()) + 1
+    if base ** m < (1 << 62):
+        weights = torch.tensor([base**j for j in range(m)], dtype=torch.long)
+    else:
+        weights = torch.tensor([pow(1_000_003, j, 1 << 62) for j in range(m)], dtype=torch.long)
+    return (windows * weights).sum(1)
+
+
 def _cover(spans: Spans) -> Tensor:
     """token -> patch edges: each patch from every token it spans."""
     start, end = spans
     length = end - start
     total = int(length.sum())
     patch = torch.repeat_interleave(_arange(start.numel()), length, output_size=total)
-    first = torch.cumsum(length, 0) - length
-    token = start[patch] + _arange(total) - first[patch]
+    shift = start - (torch.cumsum(length, 0) - length)  # token = edge rank + shift of its patch
+    token = _arange(total) + torch.repeat_interleave(shift, length, output_size=total)
     return torch.stack([token, patch])
 
 
@@ -203,7 +215,7 @@ def build_site(text_or_ids: str | bytes | Tensor, config: SiteConfig | None = No
 
     m = config.retrieval_key_len
     if config.enabled("retrieval") and n > m:
-        keys = torch.unique(ids.unfold(0, m, 1), dim=0, return_inverse=True)[1]  # (n-m+1,), key ending at t = i+m-1
+        keys = _window_keys(ids, m)  # (n-m+1,), key of the window ending at t = i+m-1
         earlier, later = _link_previous(keys, config.retrieval_links)
         has_match = torch.zeros(n, dtype=torch.bool)
         has_match[later + m - 1] = True
@@ -246,8 +258,10 @@ def build_site(text_or_ids: str | bytes | Tensor, config: SiteConfig | None = No
         if time.numel() == 0:
             continue
         last = config.readout_last * (registers if p == "workspace" else 1)
-        count = torch.searchsorted(time, positions, right=True)  # nodes with time <= t
-        src = torch.cat([count - 1 - k for k in range(last)])
+        # Latest node with time <= t: the node ending at t (if any), carried forward.
+        latest = torch.full((n,), -1, dtype=torch.long).scatter_reduce_(0, time, _arange(time.numel()), "amax")
+        latest = latest.cummax(0).values  # (n,)
+        src = torch.cat([latest - k for k in range(last)])
         dst = positions.repeat(last)
         ok = src >= 0
         edges[(p, "reads", "output")] = torch.stack([src[ok], dst[ok]])

@@ -113,6 +113,8 @@ class SiteConfig(ConfigFile):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"SiteConfig: {name} must be a positive integer (got {value!r})")
+        if self.memory_max_len > 64:
+            raise ValueError(f"SiteConfig: memory_max_len must be at most 64 (got {self.memory_max_len})")
         for name in ("anchor_scope", "topic_links", "memory_links", "retrieval_links"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
