@@ -1,0 +1,683 @@
+r"""The paper's synthetic dependency simulation: coverage and relational waste.
+
+Synthetic byte sequences carry a *known*, sparse, typed dependency graph G*.
+Three relational topologies are scored against it: dense causal attention,
+a local attention window, and the sheaf site that :func:`build_site` makes
+for the same sequence.
+
+::
+
+    generate(n, seed) -> SyntheticSequence      ids (n,), G* = (src, dst, type) (D,)
+        |                     \
+        | build_site(ids)      dense / window: relations counted analytically
+        v                       \
+    site_graph(site) -> RelationGraph ----> relation_stats(graph, hops, G*)
+                                              relations, coverage, waste
+    run_table(n)  -> dict    the paper's table at one length
+    run_scaling(ns) -> dict  edges against n, plot_scaling(result, path)
+
+**The generator** (:func:`generate`). A structural causal model over bytes,
+laid out as text so that the site's rules see its structure::
+
+    ### 3\n\n fe qb hgd QRk pj. oin lb TSc ... .  \n### 6\n\n ...
+
+- *sections* open with an instruction line ``### K`` (K a key digit, drawn
+  freely) and a blank line; a section closes at the first sentence end after
+  about ``section_len`` body tokens;
+- *body tokens* follow a 2nd-order rule: the kind of token t (letter, word
+  boundary ``' '``, sentence stop ``'.'``, entity name letter, ...) is a
+  function of (x[t-2], x[t-1]) and free coins, and its value is
+  ``x[t] = F_kind(x[t-2], x[t-1], extra, u[t])`` with F_kind a fixed random
+  table (the "language", from ``language_seed``) and ``u[t]`` one of
+  ``branching`` free choices (stored in :attr:`SyntheticSequence.choice`);
+- *anchored* tokens (the first letter of every sentence) also read the
+  section's key: ``letter((T[x[t-2], x[t-1], u] + shift[K]) mod 16)``;
+- *entity mentions* are 3-byte words: two name letters (which entity, drawn
+  from a table) and a value letter. The first mention of an entity draws the
+  value; every later mention *copies* the value of the previous mention, so
+  the word recurs verbatim.
+
+The generator's G*, typed: **local** (t-2, t) and (t-1, t) for every body
+token (the two inputs of its table); **anchor** (key, t) for every anchored
+token; **entity** (value of the previous mention, t) for every repeated value.
+Format bytes of the instruction lines and the keys have no sources. G* is
+defined by the generator alone, never read off the site. A few local edges
+are inputs whose value is fixed by the layout (the first letter of a
+sentence always sees ``'. '`` or ``'\n\n'``); they stay in G* as the paper's
+model ("each token depends on its two predecessors") has them.
+
+**Relations.** A relation is a token pair (i, j), i < j: *the prediction of
+token j can read token i*. A causal LM predicts token j from its state at
+position j - 1, so the relations of
+
+- **dense** causal attention are all pairs i < j: n(n-1)/2, counted
+  analytically, never materialised;
+- a **local window** of w keys (position t attends to t-w+1 .. t) are the
+  pairs with 1 <= j - i <= w: sum_{j=1}^{n-1} min(w, j) = w(n-1) - w(w-1)/2
+  for n > w;
+- the **sheaf site** are the pairs joined by a path of at most H hops from
+  token node i to output node j - 1 in its *relation graph*: every site edge
+  (cover, chain, anchor, recurrence, retrieval, write and read edges), plus
+  the token stream token t-1 -> token t (the selective scan Phi steps along
+  it), each one hop. Causality of the site makes every such pair i < j.
+
+A dependency (src, dst) of G* is **realised** by a topology when (src, dst)
+is one of its relations.
+**coverage** = realised dependencies / dependencies (distinct pairs);
+**waste** = 1 - realised dependencies / relations, the fraction of the
+topology's relations that no true dependency uses. **Edges**: the relations
+for dense and window attention (one attention score per pair); for the site
+its physical message edges, the edges of its relation graph.
+
+**Hops.** ``hops`` (H, default 3) is what one block of the model can reach:
+pool (token -> patch), glue (patch -> patch), read (patch -> output). One
+attention layer is one hop, so dense and window are scored at one hop (their
+L-layer reach is not counted, as in the paper). Caveat: the selective scan
+carries a compressed summary of the *whole* prefix; counting it as one hop
+per token step undercounts what the SSM may carry, while counting it as
+reaching everything would make the site's relations the dense triangle.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+from torch import Tensor
+from torch_geometric.data import HeteroData
+
+from sheafgnn.site import CANDIDATE_EDGES, NODE_TYPES, SiteConfig, build_site
+from sheafgnn.site.schema import EdgeType
+
+# ---------------------------------------------------------------- the generator
+
+LETTERS = b"abcdefghijklmnop"  # body letters; 16 = the modulus of the anchor shift
+NAME_LETTERS = b"QRSTUVWX"  # entity name letters (entities = pairs of them)
+KEY_LETTERS = b"0123456789"  # instruction keys
+
+DEP_TYPES = ("local", "anchor", "entity")
+
+
+class Kind:
+    """Token kinds of the generator (stored per token as uint8)."""
+
+    FORMAT = 0  # bytes of an instruction line ('\n', '#', ' '); no sources
+    KEY = 1  # the instruction key; free
+    LETTER = 2  # T[a, b, u]
+    ANCHORED = 3  # sentence-first letter: T[a, b, u] shifted by the section key
+    SPACE = 4  # a word boundary ' '
+    STOP = 5  # a sentence stop '.'
+    AFTER_STOP = 6  # the ' ' after a stop
+    NAME = 7  # an entity name letter: N[a, b, u]
+    VALUE_NEW = 8  # first mention's value: V[a, b, u]
+    VALUE_COPY = 9  # later mention's value: the previous mention's value
+
+    NAMES = ("format", "key", "letter", "anchored", "space", "stop", "after_stop", "name",
+             "value_new", "value_copy")
+
+
+@dataclass
+class GeneratorConfig:
+    """Densities of the synthetic sequences; defaults give ~67k dependencies at n = 32,768."""
+
+    section_len: int = 1024  # mean body tokens per instruction section (uniform in [L/2, 3L/2])
+    num_keys: int = 8  # distinct instruction keys (<= 10)
+    word_end: float = 0.3  # chance a word of >= 2 letters ends after each letter
+    sentence_end: float = 0.16  # chance a word boundary is a sentence stop
+    mention_rate: float = 0.25  # chance a word (not sentence-first) is an entity mention
+    branching: int = 4  # free choices u per table context
+    language_seed: int = 0  # seeds the tables (the "language"), shared by all sequences
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_keys <= len(KEY_LETTERS):
+            raise ValueError(f"GeneratorConfig: num_keys must be in [1, {len(KEY_LETTERS)}] (got {self.num_keys})")
+        if self.section_len < 16 or self.branching < 1:
+            raise ValueError(f"GeneratorConfig: need section_len >= 16 and branching >= 1 "
+                             f"(got {self.section_len} and {self.branching})")
+        for name in ("word_end", "sentence_end", "mention_rate"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"GeneratorConfig: {name} must be in [0, 1) (got {getattr(self, name)})")
+
+
+@dataclass
+class Language:
+    """The fixed tables of the generator, indexed by bytes (a, b) = (x[t-2], x[t-1]).
+
+    Attributes:
+        letter (np.ndarray): (256, 256, K) letter index in [0, 16) for LETTER/ANCHORED.
+        name (np.ndarray): (256, 256, K) name letter index in [0, 8) for NAME.
+        value (np.ndarray): (256, 256, K) letter index in [0, 16) for VALUE_NEW.
+        shift (np.ndarray): (num_keys,) distinct anchor shifts in [1, 16).
+    """
+
+    letter: np.ndarray
+    name: np.ndarray
+    value: np.ndarray
+    shift: np.ndarray
+
+
+def make_language(config: GeneratorConfig) -> Language:
+    """The tables of ``config``'s language (a function of language_seed, branching, num_keys)."""
+    rng = np.random.default_rng(config.language_seed)
+    k = config.branching
+    return Language(
+        letter=rng.integers(0, len(LETTERS), (256, 256, k), dtype=np.uint8),
+        name=rng.integers(0, len(NAME_LETTERS), (256, 256, k), dtype=np.uint8),
+        value=rng.integers(0, len(LETTERS), (256, 256, k), dtype=np.uint8),
+        shift=(rng.permutation(len(LETTERS) - 1)[: config.num_keys] + 1).astype(np.uint8),
+    )
+
+
+@lru_cache(maxsize=4)
+def _language_lists(language_seed: int, branching: int, num_keys: int) -> tuple[list, list, list, list]:
+    """The tables as nested lists, for the generator's scalar loop (cached: tolist is slow)."""
+    lang = make_language(GeneratorConfig(num_keys=num_keys, branching=branching, language_seed=language_seed))
+    return lang.letter.tolist(), lang.name.tolist(), lang.value.tolist(), lang.shift.tolist()
+
+
+@dataclass
+class SyntheticSequence:
+    """A generated sequence and its true dependency graph G*.
+
+    Attributes:
+        ids (Tensor): (n,) byte token ids.
+        kind (Tensor): (n,) uint8 :class:`Kind` of each token.
+        choice (Tensor): (n,) uint8 free choice u of each table token (0 elsewhere).
+        key_pos (Tensor): (n,) position of the section key each token sees (-1 before the first).
+        src, dst (Tensor): (D,) G* edges, src < dst, distinct pairs.
+        dep_type (Tensor): (D,) index into :data:`DEP_TYPES`.
+        config (GeneratorConfig): the densities and language seed.
+    """
+
+    ids: Tensor
+    kind: Tensor
+    choice: Tensor
+    key_pos: Tensor
+    src: Tensor
+    dst: Tensor
+    dep_type: Tensor
+    config: GeneratorConfig
+
+    @property
+    def text(self) -> str:
+        return bytes(self.ids.to(torch.uint8).numpy()).decode("ascii")
+
+    def dep_counts(self) -> dict[str, int]:
+        counts = torch.bincount(self.dep_type, minlength=len(DEP_TYPES)).tolist()
+        return {"total": int(self.src.numel()), **dict(zip(DEP_TYPES, counts))}
+
+
+def generate(n: int, seed: int = 0, config: GeneratorConfig | None = None) -> SyntheticSequence:
+    """Generate ``n`` tokens with a known typed dependency graph G* (see the module docstring).
+
+    Deterministic in (n, seed, config); a prefix of a longer sequence with the
+    same seed is *not* guaranteed (the layout draws depend on n).
+
+    Args:
+        n (int): tokens (bytes) to generate, >= 8.
+        seed (int): seeds the layout coins and free choices (default: :obj:`0`).
+        config (GeneratorConfig, optional): densities (default: :obj:`GeneratorConfig()`).
+    """
+    if n < 8:
+        raise ValueError(f"generate: n must be >= 8 (got {n})")
+    config = config if config is not None else GeneratorConfig()
+    letter, name, value, shift = _language_lists(config.language_seed, config.branching, config.num_keys)
+    rng = np.random.default_rng(seed)
+    coin = rng.random((n, 2)).tolist()  # (n, 2) layout coins per position
+    choice = rng.integers(0, config.branching, n).tolist()  # (n,) free choices u
+    keys = rng.integers(0, config.num_keys, n // 8 + 2).tolist()
+    lengths = rng.integers(config.section_len // 2, config.section_len * 3 // 2 + 1, n // 8 + 2).tolist()
+
+    x = [0] * n
+    kind = [Kind.FORMAT] * n
+    u_out = [0] * n
+    key_of = [-1] * n
+    src, dst, typ = [], [], []
+    last_value: dict[tuple[int, int], int] = {}
+    sp_, dot, nl = ord(" "), ord("."), ord("\n")
+    lower = set(LETTERS)
+    upper = set(NAME_LETTERS)
+    section, key_pos, body, target = -1, -1, 0, 0
+    t = 0
+    while t < n:
+        a, b = (x[t - 2], x[t - 1]) if t >= 2 else (0, 0)
+        if t == 0 or (b == sp_ and a == dot and body >= target):  # open a section
+            section += 1
+            header = (b"" if t == 0 else b"\n") + b"### " + bytes([KEY_LETTERS[keys[section]]]) + b"\n\n"
+            for offset, byte in enumerate(header):
+                if t + offset < n:
+                    x[t + offset] = byte
+                    key_of[t + offset] = key_pos
+            key_pos = t + len(header) - 3
+            if key_pos < n:
+                kind[key_pos] = Kind.KEY
+            t += len(header)
+            body, target = 0, lengths[section]
+            continue
+        c, u = coin[t], choice[t]
+        key_of[t] = key_pos
+        if b == dot:
+            k, v = Kind.AFTER_STOP, sp_
+        elif (a, b) in ((dot, sp_), (nl, nl)):
+            k = Kind.ANCHORED
+            v = LETTERS[(letter[a][b][u] + shift[x[key_pos] - KEY_LETTERS[0]]) % len(LETTERS)]
+        elif b == sp_ and c[0] < config.mention_rate or b in upper and a == sp_:
+            k, v = Kind.NAME, NAME_LETTERS[name[a][b][u]]
+        elif b in upper:  # a and b are the entity's name letters
+            prev = last_value.get((a, b))
+            if prev is None:
+                k, v = Kind.VALUE_NEW, LETTERS[value[a][b][u]]
+            else:
+                k, v = Kind.VALUE_COPY, x[prev]
+                src.append(prev), dst.append(t), typ.append(2)
+            last_value[(a, b)] = t
+        elif b in lower and (a in upper or (a in lower and c[0] < config.word_end)):
+            k, v = (Kind.STOP, dot) if c[1] < config.sentence_end else (Kind.SPACE, sp_)
+        else:  # a word start or a word's next letter
+            k, v = Kind.LETTER, LETTERS[letter[a][b][u]]
+        x[t], kind[t], u_out[t] = v, k, u
+        src += [t - 2, t - 1]
+        dst += [t, t]
+        typ += [0, 0]
+        if k == Kind.ANCHORED:
+            src.append(key_pos), dst.append(t), typ.append(1)
+        body += 1
+        t += 1
+
+    order = np.lexsort((np.asarray(src), np.asarray(dst)))  # by dst, then src
+    as_long = lambda values: torch.as_tensor(np.asarray(values, dtype=np.int64)[order])
+    return SyntheticSequence(
+        ids=torch.tensor(x, dtype=torch.long),
+        kind=torch.tensor(kind, dtype=torch.uint8),
+        choice=torch.tensor(u_out, dtype=torch.uint8),
+        key_pos=torch.tensor(key_of, dtype=torch.long),
+        src=as_long(src), dst=as_long(dst), dep_type=as_long(typ),
+        config=config,
+    )
+
+
+# ---------------------------------------------------------------- relations
+
+@dataclass
+class RelationGraph:
+    """A directed graph in which token pairs are relations (see the module docstring).
+
+    Attributes:
+        num_nodes (int): N.
+        edge_index (np.ndarray): (2, E) int64 source -> destination.
+        token_node (np.ndarray): (n,) the node where token i's information enters.
+        read_node (np.ndarray): (n,) the node whose state predicts token t + 1.
+        edges_by_type (dict): physical edge counts per edge type (reported, not used).
+    """
+
+    num_nodes: int
+    edge_index: np.ndarray
+    token_node: np.ndarray
+    read_node: np.ndarray
+    edges_by_type: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_node.size)
+
+    @property
+    def num_edges(self) -> int:
+        return int(self.edge_index.shape[1])
+
+
+def dense_relations(n: int) -> int:
+    """Relations of dense causal attention: the pairs i < j, n(n-1)/2."""
+    return n * (n - 1) // 2
+
+
+def window_relations(n: int, window: int) -> int:
+    """Relations of a local window of ``window`` keys: pairs with 1 <= j - i <= w."""
+    if n - 1 <= window:
+        return dense_relations(n)
+    return window * (n - 1) - window * (window - 1) // 2
+
+
+def attention_graph(n: int, window: int | None = None) -> RelationGraph:
+    """Dense (``window=None``) or windowed attention as an explicit graph: key i -> query t.
+
+    Materialises O(n^2) or O(n w) edges: for tests and small n only.
+    """
+    t = np.arange(n)
+    if window is None:
+        src, dst = np.tril_indices(n)[1], np.tril_indices(n)[0]  # key <= query
+    else:
+        lag = np.arange(window)
+        src, dst = (t[:, None] - lag).ravel(), np.repeat(t, window)
+        keep = src >= 0
+        src, dst = src[keep], dst[keep]
+    return RelationGraph(2 * n, np.stack([src, dst + n]), t, t + n, {"attention": int(src.size)})
+
+
+def graph_from_edges(data: HeteroData, edges: dict[EdgeType, Tensor], stream: bool = True) -> RelationGraph:
+    """The relation graph of a site with the given typed edges (plus the token stream).
+
+    Nodes get global ids in :data:`NODE_TYPES` order (tokens first); the read
+    node of position t is output t.
+
+    Args:
+        data (HeteroData): the site (node counts).
+        edges (dict): edge type -> (2, E) edge index in that type's node indices.
+        stream (bool): add token t-1 -> token t, the selective scan (default: :obj:`True`).
+    """
+    offset, total = {}, 0
+    for node_type in NODE_TYPES:
+        offset[node_type] = total
+        total += data[node_type].num_nodes
+    n = data["token"].num_nodes
+    parts, by_type = [], {}
+    for (src_type, rel, dst_type), edge_index in edges.items():
+        ei = edge_index.detach().cpu().numpy() if isinstance(edge_index, Tensor) else np.asarray(edge_index)
+        if ei.shape[1]:
+            parts.append(np.stack([ei[0] + offset[src_type], ei[1] + offset[dst_type]]))
+        by_type[f"{src_type}__{rel}__{dst_type}"] = int(ei.shape[1])
+    if stream and n > 1:
+        parts.append(np.stack([np.arange(n - 1), np.arange(1, n)]) + offset["token"])
+        by_type["token__stream__token"] = n - 1
+    edge_index = np.concatenate(parts, 1) if parts else np.zeros((2, 0), dtype=np.int64)
+    tokens = np.arange(n)
+    return RelationGraph(total, edge_index.astype(np.int64), tokens + offset["token"],
+                         tokens + offset["output"], by_type)
+
+
+def site_graph(data: HeteroData, stream: bool = True) -> RelationGraph:
+    """The relation graph of a site: every edge type of ``data`` plus the token stream."""
+    return graph_from_edges(data, {e: data[e].edge_index for e in data.edge_types}, stream)
+
+
+def topology_graph(topology: dict[EdgeType, dict[str, Tensor]], data: HeteroData,
+                   stream: bool = True) -> RelationGraph:
+    """The relation graph of a learned topology: its kept candidate edges, the site's fixed edges
+    (cover, ``token reads output``) and the token stream.
+
+    Args:
+        topology (dict): ``SheafStateLM.topology(data)``: edge type -> {"edge_index", "gate", "energy"}.
+        data (HeteroData): the site it was computed on.
+    """
+    edges = {e: data[e].edge_index for e in data.edge_types if e not in CANDIDATE_EDGES}
+    edges.update({e: entry["edge_index"] for e, entry in topology.items()})
+    return graph_from_edges(data, edges, stream)
+
+
+def _relation_chunks(graph: RelationGraph, hops: int, chunk: int):
+    """Yield (a, b, tok, j): the relations (tok[k], j[k]) whose read position t = j - 1 is in [a, b).
+
+    Boolean sparse products walk backwards ``hops`` times from the read nodes
+    of ``chunk`` positions at a time: memory is bounded by one chunk's
+    reachable sets (degree-bounded in a site), never the whole pair set.
+    """
+    if hops < 1:
+        raise ValueError(f"relation_stats: hops must be >= 1 (got {hops})")
+    n, num = graph.num_tokens, graph.num_nodes
+    ei = graph.edge_index
+    back = sp.csr_matrix((np.ones(ei.shape[1], dtype=bool), (ei[1], ei[0])), shape=(num, num))  # (N, N) dst <- src
+    column_token = np.full(num, -1, dtype=np.int64)
+    column_token[graph.token_node] = np.arange(n)
+    for a in range(0, n - 1, chunk):  # read positions t in [a, b) predict j = t + 1 <= n - 1
+        b = min(a + chunk, n - 1)
+        rows = b - a
+        reach = sp.csr_matrix((np.ones(rows, dtype=bool), (np.arange(rows), graph.read_node[a:b])),
+                              shape=(rows, num))  # (rows, N)
+        for _ in range(hops):
+            reach = reach + reach @ back  # paths one hop longer
+        reach = reach.tocoo()
+        tok = column_token[reach.col]
+        t = reach.row.astype(np.int64) + a
+        keep = (tok >= 0) & (tok <= t)  # token i with i < j = t + 1
+        yield a, b, tok[keep], t[keep] + 1
+
+
+def relation_stats(graph: RelationGraph, hops: int, src: np.ndarray | None = None,
+                   dst: np.ndarray | None = None, chunk: int = 1 << 14) -> tuple[int, np.ndarray, np.ndarray]:
+    """Count a graph's relations exactly and mark the dependencies it realises.
+
+    Relation (i, j), i < j: token_node[i] reaches read_node[j - 1] in <= ``hops`` hops.
+
+    Args:
+        graph (RelationGraph): the topology.
+        hops (int): H >= 1.
+        src, dst (np.ndarray, optional): (D,) dependencies to test.
+        chunk (int): read positions per sparse product (default: :obj:`16384`).
+
+    Returns:
+        (relations, realised (D,) bool, relations per destination j (n,) int64)
+    """
+    n = graph.num_tokens
+    src = np.zeros(0, dtype=np.int64) if src is None else np.asarray(src, dtype=np.int64)
+    dst = np.zeros(0, dtype=np.int64) if dst is None else np.asarray(dst, dtype=np.int64)
+    realised = np.zeros(src.size, dtype=bool)
+    per_dst = np.zeros(n, dtype=np.int64)
+    dep_order = np.argsort(dst, kind="stable")
+    dep_dst_sorted = dst[dep_order]
+    total = 0
+    for a, b, tok, j in _relation_chunks(graph, hops, chunk):
+        total += int(tok.size)
+        per_dst[a + 1: b + 1] = np.bincount(j - a - 1, minlength=b - a)
+        lo, hi = np.searchsorted(dep_dst_sorted, [a + 1, b + 1])
+        if hi > lo and tok.size:
+            idx = dep_order[lo:hi]
+            keys = np.sort(j * n + tok)
+            want = dst[idx] * n + src[idx]
+            pos = np.searchsorted(keys, want).clip(max=keys.size - 1)
+            realised[idx] = keys[pos] == want
+    return total, realised, per_dst
+
+
+def relation_matrix(graph: RelationGraph, hops: int, chunk: int = 1 << 14) -> sp.csr_matrix:
+    """The relations as a boolean (n, n) matrix M[j, i] = (i, j) is a relation (lower triangle).
+
+    Holds every pair: for inspection-sized texts, not for n in the millions.
+    """
+    n = graph.num_tokens
+    tok, j = [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
+    for _, _, t_chunk, j_chunk in _relation_chunks(graph, hops, chunk):
+        tok.append(t_chunk), j.append(j_chunk)
+    tok, j = np.concatenate(tok), np.concatenate(j)
+    return sp.csr_matrix((np.ones(tok.size, dtype=bool), (j, tok)), shape=(n, n))
+
+
+def _score(realised: np.ndarray, dep_type: np.ndarray, relations: int) -> dict:
+    """Coverage (overall and per dependency type) and waste from realised flags."""
+    used = int(realised.sum())
+    out = {
+        "coverage": used / max(realised.size, 1),
+        "waste": 1.0 - used / relations if relations else 0.0,
+        "relations": int(relations),
+        "realised": used,
+        "coverage_by_type": {},
+    }
+    for i, name in enumerate(DEP_TYPES):
+        mask = dep_type == i
+        out["coverage_by_type"][name] = float(realised[mask].mean()) if mask.any() else None
+    return out
+
+
+def score_graph(graph: RelationGraph, hops: int, src: np.ndarray, dst: np.ndarray,
+                dep_type: np.ndarray | None = None) -> dict:
+    """Coverage, waste, relations and edges of any relation graph against dependencies (src, dst).
+
+    Returns:
+        dict: ``coverage``, ``waste``, ``relations``, ``realised``,
+        ``coverage_by_type`` (by :data:`DEP_TYPES`), ``edges``, ``edges_by_type``,
+        ``relations_per_token`` and ``max_relations_per_token`` (over destinations j).
+    """
+    src, dst = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+    dep_type = np.zeros(src.size, dtype=np.int64) if dep_type is None else np.asarray(dep_type)
+    relations, realised, per_dst = relation_stats(graph, hops, src, dst)
+    out = _score(realised, dep_type, relations)
+    out["edges"] = graph.num_edges
+    out["edges_by_type"] = {k: v for k, v in graph.edges_by_type.items() if v}
+    out["relations_per_token"] = relations / max(graph.num_tokens - 1, 1)
+    out["max_relations_per_token"] = int(per_dst.max()) if per_dst.size else 0
+    return out
+
+
+def score_dense(seq: SyntheticSequence) -> dict:
+    """Dense causal attention, analytically: every dependency realised, n(n-1)/2 relations."""
+    n = seq.ids.numel()
+    out = _score((seq.src < seq.dst).numpy(), seq.dep_type.numpy(), dense_relations(n))
+    out["edges"] = dense_relations(n)
+    return out
+
+
+def score_window(seq: SyntheticSequence, window: int) -> dict:
+    """A local window of ``window`` keys, analytically: dependencies with dst - src <= w."""
+    n = seq.ids.numel()
+    lag = (seq.dst - seq.src).numpy()
+    out = _score((lag >= 1) & (lag <= window), seq.dep_type.numpy(), window_relations(n, window))
+    out["edges"] = window_relations(n, window)
+    return out
+
+
+def score_site(seq: SyntheticSequence, data: HeteroData, hops: int, stream: bool = True) -> dict:
+    """The sheaf site of ``seq`` (see :func:`site_graph`) scored against its G*."""
+    return score_graph(site_graph(data, stream=stream), hops, seq.src.numpy(), seq.dst.numpy(),
+                       seq.dep_type.numpy())
+
+
+# ---------------------------------------------------------------- experiments
+
+def matched_site_config() -> SiteConfig:
+    """Only the patch types whose rules the generator's structure feeds (the rest stay empty or add noise)."""
+    return SiteConfig(patch_types=("local", "sentence", "instruction", "memory", "retrieval"))
+
+
+def run_table(n: int = 32768, seed: int = 0, hops: int = 3, window: int = 8,
+              config: GeneratorConfig | None = None, site_config: SiteConfig | None = None,
+              extra_sites: dict[str, SiteConfig] | None = None) -> dict:
+    """The paper's table at one length: coverage, waste and edges per topology.
+
+    Args:
+        n (int): tokens (default: :obj:`32768`).
+        seed (int): sequence seed (default: :obj:`0`).
+        hops (int): H for the site's relations (default: :obj:`3`, one block).
+        window (int): keys of the local window (default: :obj:`8`).
+        config (GeneratorConfig, optional): generator densities.
+        site_config (SiteConfig, optional): the site's rules (default: :obj:`SiteConfig()`).
+        extra_sites (dict, optional): more site rows, name -> SiteConfig.
+
+    Returns:
+        dict with ``n``, ``deps`` (counts per type), ``topologies`` (name ->
+        coverage, waste, relations, edges, ...) and ``seconds``.
+    """
+    start = time.perf_counter()
+    seq = generate(n, seed, config)
+    rows = {"dense": score_dense(seq), "local": score_window(seq, window)}
+    sites = {"sheaf": site_config if site_config is not None else SiteConfig(), **(extra_sites or {})}
+    for name, cfg in sites.items():
+        rows[name] = score_site(seq, build_site(seq.ids, cfg), hops)
+        rows[name]["site_config"] = {"patch_types": list(cfg.patch_types), "local_window": cfg.local_window}
+    return {
+        "n": n, "seed": seed, "hops": hops, "window": window,
+        "generator": asdict(seq.config), "deps": seq.dep_counts(),
+        "topologies": rows, "seconds": time.perf_counter() - start,
+    }
+
+
+def _slope(ns: list[int], values: list[float]) -> float | None:
+    """Least-squares exponent a of values ~ n^a (log-log fit)."""
+    pts = [(math.log(x), math.log(y)) for x, y in zip(ns, values) if y and y > 0]
+    if len(pts) < 2:
+        return None
+    lx, ly = np.array(pts).T
+    return float(np.polyfit(lx, ly, 1)[0])
+
+
+def run_scaling(ns: tuple[int, ...] = tuple(2**k for k in range(10, 21)), seed: int = 0, hops: int = 3,
+                window: int = 8, config: GeneratorConfig | None = None, site_config: SiteConfig | None = None,
+                relations_up_to: int = 1 << 20) -> dict:
+    """Edges against n per topology, and the site's relations and coverage.
+
+    Dense and window edges are analytic; the site is built and counted at
+    every n (its relations only up to ``relations_up_to``, the costly part).
+
+    Returns:
+        dict with ``ns`` and, per topology, a list per n of ``edges`` (plus
+        ``relations``, ``coverage``, ``waste`` for the site), ``deps`` per n,
+        and ``slope`` (fitted exponent of edges ~ n^a) per topology.
+    """
+    site_config = site_config if site_config is not None else SiteConfig()
+    out = {"ns": list(ns), "seed": seed, "hops": hops, "window": window, "deps": [], "seconds": [],
+           "dense": {"edges": []}, "local": {"edges": [], "coverage": []},
+           "sheaf": {"edges": [], "relations": [], "coverage": [], "waste": []}}
+    for n in ns:
+        start = time.perf_counter()
+        seq = generate(n, seed, config)
+        out["deps"].append(int(seq.src.numel()))
+        out["dense"]["edges"].append(dense_relations(n))
+        window_row = score_window(seq, window)
+        out["local"]["edges"].append(window_row["edges"])
+        out["local"]["coverage"].append(window_row["coverage"])
+        data = build_site(seq.ids, site_config)
+        if n <= relations_up_to:
+            row = score_site(seq, data, hops)
+            out["sheaf"]["edges"].append(row["edges"])
+            for key in ("relations", "coverage", "waste"):
+                out["sheaf"][key].append(row[key])
+        else:
+            out["sheaf"]["edges"].append(site_graph(data).num_edges)
+            for key in ("relations", "coverage", "waste"):
+                out["sheaf"][key].append(None)
+        out["seconds"].append(time.perf_counter() - start)
+    for name in ("dense", "local", "sheaf"):
+        out[name]["slope"] = _slope(out["ns"], out[name]["edges"])
+    out["sheaf"]["relations_slope"] = _slope(out["ns"], out["sheaf"]["relations"])
+    out["deps_slope"] = _slope(out["ns"], out["deps"])
+    return out
+
+
+def plot_scaling(result: dict, path) -> None:
+    """Log-log plot of edges against n per topology (and the site's relations, G*), PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ns = result["ns"]
+    fig, ax = plt.subplots(figsize=(6.4, 4.8), dpi=120)
+    series = [
+        ("dense attention", result["dense"]["edges"], "-", "tab:red"),
+        (f"local window (w={result['window']})", result["local"]["edges"], "-", "tab:orange"),
+        ("sheaf site: message edges", result["sheaf"]["edges"], "-", "tab:blue"),
+        (f"sheaf site: relations (H={result['hops']})", result["sheaf"]["relations"], "--", "tab:blue"),
+        ("true dependencies G*", result["deps"], ":", "black"),
+    ]
+    for label, values, style, color in series:
+        pts = [(x, y) for x, y in zip(ns, values) if y]
+        if pts:
+            slope = _slope(*map(list, zip(*pts)))
+            ax.loglog(*zip(*pts), style, marker="o", ms=3, color=color,
+                      label=f"{label}  ($\\propto n^{{{slope:.2f}}}$)" if slope is not None else label)
+    ax.set_xlabel("sequence length n (tokens)")
+    ax.set_ylabel("edges / relations")
+    ax.set_title("Relations against context length")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def format_table(result: dict) -> str:
+    """The table as text, beside the paper's figures."""
+    paper = {"dense": ("100%", "99.98%", "536M"), "local": ("96.5%", "~75%", ""),
+             "sheaf": ("100%", "32.5%", "100k")}
+    lines = [f"n = {result['n']}, G* = {result['deps']['total']} dependencies "
+             f"({', '.join(f'{k} {v}' for k, v in result['deps'].items() if k != 'total')}), "
+             f"H = {result['hops']} hops, window = {result['window']}, {result['seconds']:.1f} s",
+             f"{'topology':<16}{'coverage':>10}{'waste':>10}{'relations':>14}{'edges':>14}"
+             f"   | {'paper: cov.':>14}{'waste':>8}{'edges':>7}"]
+    for name, row in result["topologies"].items():
+        p = paper.get(name, ("", "", ""))
+        lines.append(f"{name:<16}{100 * row['coverage']:>9.2f}%{100 * row['waste']:>9.2f}%"
+                     f"{row['relations']:>14,}{row['edges']:>14,}   | {p[0]:>14}{p[1]:>8}{p[2]:>7}")
+    return "\n".join(lines)
