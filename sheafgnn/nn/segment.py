@@ -1,0 +1,240 @@
+r"""Segment reductions over a destination-sorted CSR: the hot path of G.
+
+Every reduction in sheafgnn that pools "many rows into one" (messages into
+their destination node, tokens into their patch) runs over rows that are
+sorted by their target and described by a CSR pointer ``ptr``::
+
+    src  (E, *)      rows, sorted by target segment
+    ptr  (S + 1,)    ptr[0] = 0, ptr[-1] = E, ptr[s]:ptr[s+1] = rows of s
+    out  (S, *)      one reduced row per segment (0 for an empty segment)
+
+Two backends give identical results (up to float summation order):
+
+- ``"torch_scatter"``: :func:`torch_scatter.segment_csr` (fast, deterministic).
+- ``"torch"``: pure PyTorch; ``ptr`` is expanded to a row -> segment index
+  with :func:`torch.repeat_interleave` (explicit ``output_size``, no host
+  sync) and rows are summed with :func:`torch.Tensor.index_add` (works on
+  every device and dtype, differentiable twice).
+
+``"auto"`` (the default) picks ``"torch_scatter"`` when it imports. The
+environment variable ``SHEAFGNN_SEGMENT_BACKEND`` sets the starting choice;
+:func:`set_backend` / :func:`use_backend` change it at run time.
+
+``segment_mean`` is ``segment_sum`` divided by the clamped segment length on
+both backends (so an empty segment gives 0, and no backend-specific mean
+kernel is involved).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+try:  # optional compiled extension
+    import torch_scatter as _torch_scatter
+
+    HAS_TORCH_SCATTER = True
+except (ImportError, OSError):  # OSError: a wheel built for another torch
+    _torch_scatter = None
+    HAS_TORCH_SCATTER = False
+
+__all__ = [
+    "BACKENDS",
+    "HAS_TORCH_SCATTER",
+    "get_backend",
+    "index_from_ptr",
+    "ptr_from_index",
+    "resolve_backend",
+    "segment_mean",
+    "segment_sum",
+    "set_backend",
+    "sort_by_destination",
+    "use_backend",
+]
+
+BACKENDS = ("auto", "torch_scatter", "torch")
+
+_backend = "auto"
+
+
+def _check_backend(name: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(
+            f"segment backend must be one of {BACKENDS} (got {name!r})")
+    if name == "torch_scatter" and not HAS_TORCH_SCATTER:
+        raise ImportError(
+            "segment backend 'torch_scatter' was requested but the "
+            "'torch_scatter' package is not importable; install "
+            "torch-scatter built for this torch version, or use "
+            "set_backend('torch') / set_backend('auto')")
+    return name
+
+
+def set_backend(name: str) -> None:
+    r"""Sets the segment-reduction backend for the whole process.
+
+    Args:
+        name (str): :obj:`"auto"` (torch-scatter when importable, else pure
+            PyTorch), :obj:`"torch_scatter"` or :obj:`"torch"`.
+
+    Raises:
+        ValueError: for an unknown name.
+        ImportError: for :obj:`"torch_scatter"` when it is not installed.
+    """
+    global _backend
+    _backend = _check_backend(name)
+
+
+def get_backend() -> str:
+    r"""Returns the backend as set (:obj:`"auto"`, :obj:`"torch_scatter"` or
+    :obj:`"torch"`); see :func:`resolve_backend` for the one that runs."""
+    return _backend
+
+
+def resolve_backend() -> str:
+    r"""Returns the backend that actually runs: :obj:`"torch_scatter"` or
+    :obj:`"torch"`."""
+    if _backend == "auto":
+        return "torch_scatter" if HAS_TORCH_SCATTER else "torch"
+    return _backend
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[str]:
+    r"""Context manager that switches the backend and restores the previous
+    one on exit (also on error)::
+
+        with use_backend("torch"):
+            out = segment_sum(src, ptr)
+    """
+    global _backend
+    previous = _backend
+    set_backend(name)
+    try:
+        yield name
+    finally:
+        _backend = previous
+
+
+_env_backend = os.environ.get("SHEAFGNN_SEGMENT_BACKEND")
+if _env_backend:
+    set_backend(_env_backend)
+
+
+# --------------------------------------------------------------------------- #
+# index <-> ptr
+# --------------------------------------------------------------------------- #
+def ptr_from_index(index: Tensor, size: int) -> Tensor:
+    r"""Converts a sorted segment index to a CSR pointer.
+
+    Args:
+        index (torch.Tensor): sorted segment id of every row, shape
+            :math:`(E,)`, values in :math:`[0, \text{size})`.
+        size (int): number of segments :math:`S` (explicit: no host sync).
+
+    Returns:
+        :obj:`ptr` of shape :math:`(S + 1,)`, dtype :obj:`torch.long`.
+    """
+    if index.dim() != 1:
+        raise ValueError(
+            f"ptr_from_index: index must be 1-D (got shape "
+            f"{tuple(index.shape)})")
+    return torch._convert_indices_from_coo_to_csr(
+        index.long(), int(size), out_int32=False)
+
+
+def index_from_ptr(ptr: Tensor, num_items: int) -> Tensor:
+    r"""Expands a CSR pointer :math:`(S + 1,)` to the segment id of every row
+    :math:`(E,)`, with :obj:`num_items` :math:`= E` passed explicitly so that
+    no host sync is needed."""
+    num_segments = ptr.numel() - 1
+    seg = torch.arange(num_segments, device=ptr.device)  # (S,)
+    return torch.repeat_interleave(seg, ptr.diff(), output_size=num_items)
+
+
+def sort_by_destination(
+    edge_index: Tensor,
+    *edge_attrs: Tensor | None,
+    num_nodes: int,
+    return_perm: bool = False,
+) -> tuple:
+    r"""Sorts edges by destination (``edge_index[1]``), stably, and builds
+    the destination CSR pointer.
+
+    Args:
+        edge_index (torch.Tensor): :math:`(2, E)`.
+        *edge_attrs (torch.Tensor or None): per-edge tensors :math:`(E, *)`
+            permuted along dim 0 the same way; :obj:`None` passes through.
+        num_nodes (int): number of destination nodes :math:`N`.
+        return_perm (bool, optional): also return the permutation
+            :math:`(E,)` so that ``sorted = original[perm]``; the original
+            order of a per-edge result ``y`` is ``y.new_empty(...)
+            .index_copy_(0, perm, y)`` (default: :obj:`False`)
+
+    Returns:
+        ``(edge_index, *edge_attrs, ptr)`` (``ptr``: :math:`(N + 1,)`), or
+        ``(edge_index, *edge_attrs, ptr, perm)`` with :obj:`return_perm`.
+    """
+    if edge_index.dim() != 2 or edge_index.size(0) != 2:
+        raise ValueError(
+            f"sort_by_destination: edge_index must have shape (2, E) "
+            f"(got {tuple(edge_index.shape)})")
+    dst = edge_index[1]  # (E,)
+    dst_sorted, perm = torch.sort(dst, stable=True)  # (E,), (E,)
+    out = [edge_index[:, perm]]
+    for attr in edge_attrs:
+        out.append(None if attr is None else attr[perm])
+    out.append(ptr_from_index(dst_sorted, num_nodes))  # (N + 1,)
+    if return_perm:
+        out.append(perm)
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------- #
+# reductions
+# --------------------------------------------------------------------------- #
+def _check(src: Tensor, ptr: Tensor) -> None:
+    if ptr.dim() != 1:
+        raise ValueError(
+            f"segment: ptr must be 1-D (got shape {tuple(ptr.shape)})")
+    if src.dim() == 0:
+        raise ValueError("segment: src must have at least one dimension")
+
+
+def segment_sum(src: Tensor, ptr: Tensor) -> Tensor:
+    r"""Sums the rows of :obj:`src` within each CSR segment.
+
+    Args:
+        src (torch.Tensor): :math:`(E, *)`, rows sorted by segment.
+        ptr (torch.Tensor): :math:`(S + 1,)`, :obj:`ptr[0] = 0`,
+            :obj:`ptr[-1] = E`.
+
+    Returns:
+        :math:`(S, *)`; an empty segment gives zeros.
+    """
+    _check(src, ptr)
+    num_segments = ptr.numel() - 1
+    # E == 0 always takes the torch path (cheap, and keeps autograd wired)
+    if resolve_backend() == "torch_scatter" and src.size(0) > 0:
+        return _torch_scatter.segment_csr(src, ptr.long(), reduce="sum")
+    index = index_from_ptr(ptr, src.size(0))  # (E,)
+    out = src.new_zeros((num_segments,) + tuple(src.shape[1:]))  # (S, *)
+    return out.index_add(0, index, src)
+
+
+def segment_mean(src: Tensor, ptr: Tensor) -> Tensor:
+    r"""Averages the rows of :obj:`src` within each CSR segment.
+
+    Args:
+        src (torch.Tensor): :math:`(E, *)`, rows sorted by segment.
+        ptr (torch.Tensor): :math:`(S + 1,)`.
+
+    Returns:
+        :math:`(S, *)`; an empty segment gives zeros.
+    """
+    total = segment_sum(src, ptr)  # (S, *)
+    count = ptr.diff().clamp_(min=1).to(total.dtype)  # (S,)
+    return total / count.view((-1,) + (1,) * (total.dim() - 1))
