@@ -29,6 +29,7 @@ from torch_geometric.data import HeteroData
 
 from sheafgnn.config import ConfigFile
 from sheafgnn.nn.experts import PatchExperts
+from sheafgnn.nn.quant import apply_quant, validate_quant
 from sheafgnn.nn.segment import ptr_from_index, segment_mean
 from sheafgnn.nn.sheaf import SheafConv
 from sheafgnn.nn.ssm import SelectiveSSM
@@ -59,6 +60,7 @@ class SheafStateConfig(ConfigFile):
     num_topics: int = 64  # topic ids embedded (ids wrap modulo this)
     gluing: bool = True  # False: Phi + token feed-forward only (the ssm ablation)
     site: dict = field(default_factory=dict)  # SiteConfig fields for build_site
+    quant: dict = field(default_factory=dict)  # QuantVect {maps, experts, map_values}: none|int8|int4|ternary
 
     def __post_init__(self) -> None:
         if self.d_model % self.stalk_dim != 0:
@@ -68,6 +70,7 @@ class SheafStateConfig(ConfigFile):
             raise ValueError(f"SheafStateConfig: need n_layers >= 1 and vocab_size >= 2 "
                              f"(got {self.n_layers} and {self.vocab_size})")
         SiteConfig.from_dict(self.site)  # validate early
+        validate_quant(self.quant, "SheafStateConfig.quant")
 
     @property
     def site_config(self) -> SiteConfig:
@@ -148,6 +151,7 @@ class SheafStateLM(nn.Module):
         self.blocks = nn.ModuleList(SheafBlock(config) for _ in range(config.n_layers))
         self.norm_out = nn.LayerNorm(D)
         self.reset_parameters()
+        apply_quant(self, config.quant)  # fake-quantised maps / experts (sheafgnn.nn.quant); no-op if empty
 
     def reset_parameters(self) -> None:
         for emb in (self.token_embedding, self.type_embedding, self.register_embedding, self.topic_embedding):
