@@ -2,7 +2,12 @@
 
 ::
 
-    sheafgnn demo [--out runs/demo]     build sites from the embedded corpus, print statistics
+    sheafgnn demo      [--out runs/demo]            the main demo on the embedded corpus
+    sheafgnn train     --config FILE [--resume]     train a model (sheafgnn.train)
+    sheafgnn compare   [...]                        sheaf vs dense, local, ssm (sheafgnn.compare)
+    sheafgnn tasks     [...]                        MQAR, selective copying, induction (sheafgnn.evaltasks)
+    sheafgnn simulate  [...]                        the paper's dependency simulation (sheafgnn.simulate)
+    sheafgnn inspect   CHECKPOINT_OR_CONFIG --text FILE   the learned topology on a text
 """
 
 from __future__ import annotations
@@ -12,46 +17,120 @@ import json
 import sys
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
+# Subcommands with their own argument parsers: `sheafgnn NAME ARGS` calls module.function(ARGS).
+DELEGATED = {
+    "train": ("sheafgnn.train", "main_train"),
+    "compare": ("sheafgnn.compare", "main_compare"),
+    "tasks": ("sheafgnn.evaltasks", "main_tasks"),
+    "simulate": ("sheafgnn.simulate", "main_simulate"),
+}
 
-def _demo(args: argparse.Namespace) -> None:
+
+def _site_demo(out: Path, context: int, tokens: int) -> None:
     from sheafgnn.data import corpus_text, load_corpus, site_statistics
     from sheafgnn.site import ByteTokenizer, SiteConfig, TopicModel, build_site, validate_site
     from sheafgnn.site.rules import split_sentences
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     print("fitting the topic model on the training split ...")
     sentences = [s for doc in load_corpus("mixed", "train") for s in split_sentences(doc)]
-    topic_model = TopicModel.fit(sentences, num_topics=16)
-    topic_model.save(out / "topics.safetensors")
+    TopicModel.fit(sentences, num_topics=16).save(out / "topics.safetensors")
     config = SiteConfig(topic_model=str(out / "topics.safetensors"))
     ids = ByteTokenizer().encode(corpus_text("mixed", "validation"))
-    context = args.context
-    graphs = []
-    for start in tqdm(range(0, min(ids.numel(), args.tokens) - context + 1, context), desc="building sites"):
-        graphs.append(validate_site(build_site(ids[start : start + context], config)))
+    graphs = [validate_site(build_site(ids[start : start + context], config))
+              for start in tqdm(range(0, min(ids.numel(), tokens) - context + 1, context), desc="building sites")]
     stats = site_statistics(graphs)
     print(f"\n{len(graphs)} sites of {context} tokens from the validation split (byte tokenizer)")
     print(f"{'type':<44}{'count':>10}{'per token':>12}")
     for name, row in stats.items():
         print(f"{name:<44}{row['count']:>10}{row['per_token']:>12.3f}")
     (out / "site_stats.json").write_text(json.dumps(stats, indent=2))
-    print(f"\nwrote {out / 'site_stats.json'}")
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from sheafgnn.compare import main_compare
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    _site_demo(out, args.context, args.tokens)
+    print("\ntraining the sheaf model and the dense baseline on the same data, then comparing ...")
+    compare_args = ["--out", str(out / "compare"), "--models", "sheaf", "dense", *args.compare_args]
+    return main_compare(compare_args)
+
+
+def load_model(path: str | Path):
+    """A model from a training run (its out_dir or a checkpoint step folder) or an untrained one
+    from a SheafStateConfig file (.yaml, .toml, .json). Returns ``(model, tokenizer)``."""
+    from sheafgnn import checkpoint as ckpt
+    from sheafgnn.lm import build_model
+    from sheafgnn.model import SheafStateConfig, SheafStateLM
+    from sheafgnn.site import ByteTokenizer
+    from sheafgnn.train import TrainConfig, load_tokenizer
+
+    path = Path(path)
+    if path.is_file():
+        torch.manual_seed(0)
+        return SheafStateLM(SheafStateConfig.load(path)).eval(), ByteTokenizer()
+    if not path.is_dir():
+        raise ValueError(f"no checkpoint folder or config file at {path}")
+    step = path
+    if not (step / ckpt.STATE).is_file():
+        step = ckpt.latest_checkpoint(path / "checkpoints") or ckpt.latest_checkpoint(path)
+    if step is None:
+        raise ValueError(f"{path} holds no checkpoint (expected OUT_DIR, OUT_DIR/checkpoints or a step folder)")
+    try:
+        state = torch.load(step / ckpt.STATE, map_location="cpu", weights_only=True)
+        config = TrainConfig.from_dict(state["config"])
+    except Exception as err:
+        raise ValueError(f"checkpoint {step} is unreadable ({type(err).__name__}: {err})") from None
+    tokenizer = load_tokenizer(config)
+    model = build_model(config.model, state["model_config"], tokenizer.vocab_size, config.site)
+    ckpt.load_checkpoint(step, model)
+    return model.eval(), tokenizer
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from sheafgnn.inspect import main_inspect
+
+    model, tokenizer = load_model(args.model)
+    text = Path(args.text).read_bytes()[: args.max_bytes]
+    main_inspect(model, text, tokenizer, out_dir=args.out, hops=args.hops, top_k=args.top_k)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="sheafgnn", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in DELEGATED:
+        import importlib
+
+        module, function = DELEGATED[argv[0]]
+        return getattr(importlib.import_module(module), function)(argv[1:])
+
+    parser = argparse.ArgumentParser(prog="sheafgnn", description=__doc__.split("\n")[0],
+                                     epilog="also: " + ", ".join(f"sheafgnn {name} --help" for name in DELEGATED))
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,inspect," + ",".join(DELEGATED) + "}")
     demo = sub.add_parser("demo", help="the main demo on the embedded corpus")
     demo.add_argument("--out", default="runs/demo", help="output folder (default: runs/demo)")
-    demo.add_argument("--context", type=int, default=1024, help="tokens per site (default: 1024)")
-    demo.add_argument("--tokens", type=int, default=65536, help="tokens of the corpus to build (default: 65536)")
+    demo.add_argument("--context", type=int, default=1024, help="tokens per site for the statistics (default: 1024)")
+    demo.add_argument("--tokens", type=int, default=65536, help="corpus tokens for the statistics (default: 65536)")
+    demo.add_argument("compare_args", nargs=argparse.REMAINDER, help="passed on to `sheafgnn compare`")
     demo.set_defaults(func=_demo)
+    inspect = sub.add_parser("inspect", help="statistics, exports and plots of a model's topology on a text")
+    inspect.add_argument("model", help="a training out_dir, a checkpoint step folder, or a SheafStateConfig file")
+    inspect.add_argument("--text", required=True, help="a text file")
+    inspect.add_argument("--out", default="runs/inspect", help="output folder (default: runs/inspect)")
+    inspect.add_argument("--hops", type=int, default=3, help="hops of the relation matrix (default: 3)")
+    inspect.add_argument("--top-k", type=int, default=5, help="top edges listed per type (default: 5)")
+    inspect.add_argument("--max-bytes", type=int, default=4096, help="bytes of the text read (default: 4096)")
+    inspect.set_defaults(func=_inspect)
     args = parser.parse_args(argv)
-    args.func(args)
-    return 0
+    try:
+        return args.func(args)
+    except ValueError as err:
+        print(f"sheafgnn {args.command}: error: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
