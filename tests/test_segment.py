@@ -140,3 +140,14 @@ def test_ptr_roundtrip_and_sort():
     assert torch.equal(edge_index[:, perm], ei)
     # without perm: (edge_index, ptr)
     assert len(sort_by_destination(edge_index, num_nodes=4)) == 2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_traceable_by_torch_compile(backend):
+    ptr = make_ptr([2, 0, 3])
+    src = torch.randn(5, 4, requires_grad=True)
+    fn = torch.compile(lambda s, p: segment_mean(s, p), backend="eager",
+                       fullgraph=True)
+    with use_backend(backend):
+        out = fn(src, ptr)
+    torch.testing.assert_close(out, loop_reduce(src, ptr, mean=True))

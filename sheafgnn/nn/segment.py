@@ -16,7 +16,8 @@ Two backends give identical results (up to float summation order):
   sync) and rows are summed with :func:`torch.Tensor.index_add` (works on
   every device and dtype, differentiable twice).
 
-``"auto"`` (the default) picks ``"torch_scatter"`` when it imports. The
+``"auto"`` (the default) picks ``"torch_scatter"`` when it imports. Inside
+:func:`torch.compile` the ``"torch"`` path is traced whatever the setting. The
 environment variable ``SHEAFGNN_SEGMENT_BACKEND`` sets the starting choice;
 :func:`set_backend` / :func:`use_backend` change it at run time.
 
@@ -96,7 +97,10 @@ def get_backend() -> str:
 
 def resolve_backend() -> str:
     r"""Returns the backend that actually runs: :obj:`"torch_scatter"` or
-    :obj:`"torch"`."""
+    :obj:`"torch"`. Under :func:`torch.compile` tracing it is always
+    :obj:`"torch"` (torch-scatter's ops have no fake-tensor kernels)."""
+    if torch.compiler.is_compiling():
+        return "torch"
     if _backend == "auto":
         return "torch_scatter" if HAS_TORCH_SCATTER else "torch"
     return _backend
