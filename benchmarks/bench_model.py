@@ -1,0 +1,179 @@
+"""Cost of the model core, measured in one run.
+
+1. ``SheafStateLM`` forward+backward time and peak memory at n = 1k, 4k, 16k,
+   64k tokens of the embedded corpus, and the log-log slope of each from 4k
+   to 64k (target: <= 1.1, i.e. linear in context length).
+2. ``SheafConv`` forward+backward against a plain gather + ``segment_csr``
+   sum over the same edges and width (target: within 2x), for each map kind.
+3. The segment-reduction backends: torch-scatter's ``segment_csr`` against
+   the pure-PyTorch fallback.
+
+Peak memory is the peak resident set of the process during the step minus
+the resident set before it (see :class:`sheafgnn.compare.PeakMemory`); the
+site is built before the step and is not timed.
+
+Usage::
+
+    python benchmarks/bench_model.py [--out benchmarks/results] [--sizes 1024 4096 16384 65536]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from sheafgnn.compare import PeakMemory
+from sheafgnn.data import corpus_text
+from sheafgnn.model import SheafStateConfig, SheafStateLM
+from sheafgnn.nn.segment import HAS_TORCH_SCATTER, segment_sum, sort_by_destination, use_backend
+from sheafgnn.nn.sheaf import SheafConv
+from sheafgnn.site import build_site
+
+
+def best_of(fn, repeats: int) -> float:
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of log y against log x."""
+    lx, ly = [math.log(x) for x in xs], [math.log(y) for y in ys]
+    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
+    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
+
+
+def model_scaling(sizes: list[int], repeats: int, config: SheafStateConfig) -> list[dict]:
+    torch.manual_seed(0)
+    model = SheafStateLM(config).train()
+    raw = corpus_text("mixed", "train").encode()
+    raw = raw * (max(sizes) // len(raw) + 2)
+    ids = torch.tensor(list(raw[: max(sizes) + 1]), dtype=torch.long)
+    rows = []
+    for n in sizes:
+        data = build_site(ids[:n], config.site_config)
+        data["token"].y = ids[1 : n + 1]
+
+        def step(data=data):
+            model.loss(data).backward()
+            model.zero_grad(set_to_none=True)
+
+        step()  # warm-up at this size
+        seconds = best_of(step, repeats)
+        with PeakMemory() as mem:
+            step()
+        rows.append({"n": n, "fwd_bwd_s": seconds, "peak_extra_bytes": mem.extra_bytes,
+                     "nodes": sum(data[t].num_nodes for t in data.node_types),
+                     "edges": sum(data[e].num_edges for e in data.edge_types), "memory_method": mem.method})
+        print(f"  SheafStateLM n={n:>6}: {seconds:8.3f} s  {mem.extra_bytes / 2**20:9.1f} MiB", flush=True)
+    return rows
+
+
+def conv_vs_gather(num_nodes: int, degree: int, width: int, stalk_dim: int, repeats: int) -> dict:
+    torch.manual_seed(0)
+    num_edges = num_nodes * degree
+    edge_index = torch.randint(num_nodes, (2, num_edges))
+    edge_type = torch.randint(4, (num_edges,))
+    edge_index, edge_type, ptr = sort_by_destination(edge_index, edge_type, num_nodes=num_nodes)
+    x = torch.randn(num_nodes, width, requires_grad=True)
+
+    def gather_reduce():
+        segment_sum(x[edge_index[0]], ptr).sum().backward()
+
+    out = {"num_nodes": num_nodes, "num_edges": num_edges, "width": width,
+           "gather_segment_s": best_of(gather_reduce, repeats)}
+    for kind in ("diag", "orthogonal", "general"):
+        conv = SheafConv(width, stalk_dim, map_kind=kind, num_edge_types=4)
+        seconds = best_of(lambda: conv(x, edge_index, edge_type, ptr=ptr).sum().backward(), repeats)  # noqa: B023
+        out[f"sheafconv_{kind}_s"] = seconds
+        out[f"ratio_{kind}"] = seconds / out["gather_segment_s"]
+    return out
+
+
+def backends(num_rows: int, num_segments: int, width: int, repeats: int) -> dict:
+    torch.manual_seed(0)
+    index = torch.sort(torch.randint(num_segments, (num_rows,))).values
+    ptr = torch.ops.aten._convert_indices_from_coo_to_csr(index, num_segments)
+    src = torch.randn(num_rows, width, requires_grad=True)
+    out = {"num_rows": num_rows, "num_segments": num_segments, "width": width}
+    for name in ("torch_scatter", "torch") if HAS_TORCH_SCATTER else ("torch",):
+        with use_backend(name):
+            out[f"{name}_s"] = best_of(lambda: segment_sum(src, ptr).sum().backward(), repeats)
+    if HAS_TORCH_SCATTER:
+        out["fallback_over_torch_scatter"] = out["torch_s"] / out["torch_scatter_s"]
+    return out
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = [r["n"] for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, label in ((axes[0], "fwd_bwd_s", "forward+backward (s)"),
+                           (axes[1], "peak_extra_bytes", "peak memory (bytes)")):
+        y = [r[key] for r in rows]
+        ax.loglog(n, y, "o-", label="SheafStateLM")
+        ax.loglog(n, [y[0] * x / n[0] for x in n], "k--", lw=0.8, label="linear")
+        ax.loglog(n, [y[0] * (x / n[0]) ** 2 for x in n], "k:", lw=0.8, label="quadratic")
+        ax.set_xlabel("context length n (tokens)")
+        ax.set_ylabel(label)
+        ax.legend()
+    fig.suptitle("SheafStateLM cost against context length")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = SheafStateConfig(d_model=args.d_model, n_layers=args.layers)
+
+    print("1. SheafStateLM forward+backward")
+    rows = model_scaling(args.sizes, args.repeats, config)
+    tail = [r for r in rows if r["n"] >= 4096]
+    slopes = {"time": slope([r["n"] for r in tail], [r["fwd_bwd_s"] for r in tail]),
+              "memory": slope([r["n"] for r in tail], [r["peak_extra_bytes"] for r in tail])}
+    print(f"  log-log slope 4k..{tail[-1]['n']}: time {slopes['time']:.3f}, memory {slopes['memory']:.3f} "
+          f"(target <= 1.1)")
+    print("2. SheafConv vs gather + segment_csr (50k nodes, 8 in-edges each, width 128)")
+    conv = conv_vs_gather(50_000, 8, 128, 4, args.repeats)
+    for kind in ("diag", "orthogonal", "general"):
+        print(f"  {kind:<11} {conv[f'sheafconv_{kind}_s']:.3f} s vs {conv['gather_segment_s']:.3f} s: "
+              f"{conv[f'ratio_{kind}']:.2f}x (target <= 2x)")
+    print("3. segment_sum backends (1M rows, 100k segments, width 64)")
+    seg = backends(1_000_000, 100_000, 64, args.repeats)
+    print("  " + ", ".join(f"{k} {v:.3f}" for k, v in seg.items() if k.endswith("_s") or k.startswith("fallback")))
+
+    result = {"machine": {"platform": platform.platform(), "threads": torch.get_num_threads(),
+                          "torch": torch.__version__, "torch_scatter": HAS_TORCH_SCATTER},
+              "config": config.to_dict(), "model": rows, "slopes_4k_up": slopes,
+              "targets": {"slope_time_met": slopes["time"] <= 1.1, "slope_memory_met": slopes["memory"] <= 1.1,
+                          "sheafconv_diag_within_2x": conv["ratio_diag"] <= 2.0},
+              "sheafconv": conv, "segment_backends": seg}
+    (out / "model.json").write_text(json.dumps(result, indent=2))
+    plot(rows, out / "model.png")
+    print(f"wrote {out / 'model.json'}, {out / 'model.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,706 @@
+r"""``sheafgnn compare``: sheaf vs dense, local and ssm at equal parameters, tokens, seed and data.
+
+::
+
+    sheafgnn compare [--quick] [--out runs/compare] [--context 1024] [--tokens 131072] ...
+
+    CompareConfig
+      -> matched_options        sheaf width fixed; dense/local/ssm widths matched to its
+                                parameter count within 10% (printed)
+      -> per model, in a fresh process (spawn; --in-process for tests):
+           train_one             sheafgnn.train.train on the same corpus, seed, windows, tokens
+                                 -> val bits/byte, training tokens/s, peak memory,
+                                    inference tokens/s (forward, no grad, validation windows)
+           sweep_one             build site + forward + backward of one window of n tokens,
+                                 n = 1k ... 32k; a model stops at the first n over a cap
+      -> out_dir/compare.json  compare.md  training.png  sweep.png
+         out_dir/train/<model>/  (each model's TrainConfig, metrics.csv, checkpoint; replaced per run)
+
+Peak memory, how it is measured
+-------------------------------
+On CPU, the kernel's high-water mark of the resident set, ``VmHWM`` in
+``/proc/self/status``: before each measured phase, memory that the C allocator
+holds free is handed back (``gc.collect(1)``, then glibc's ``malloc_trim(0)``;
+otherwise a phase would reuse a warm-up pass's freed pages without its resident
+set growing, and read low), the mark is reset to the current resident set
+(writing ``5`` to ``/proc/self/clear_refs``, Linux >= 4.0), and after the phase
+the mark is read. Two figures are kept:
+
+- ``peak_rss_bytes``: the process's peak resident set during the phase
+  (the Python interpreter, torch and the model included);
+- ``peak_extra_bytes``: that peak minus the resident set at the start of the
+  phase, i.e. the memory the phase itself needed (activations, gradients, the
+  site graph, optimizer state, allocator slack).
+
+Ratios use ``peak_extra_bytes`` (the interpreter's ~0.3 GB would otherwise
+dominate every ratio). Where ``clear_refs`` cannot be written (not Linux), the
+fallback is ``getrusage(RUSAGE_SELF).ru_maxrss`` since the process started, an
+upper bound; the report names the method it used (``memory_method``). Each
+model trains and sweeps in its own fresh process by default, so no model's
+allocations count against another. On CUDA the figures are
+``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``.
+
+The context sweep builds the site of one window of ``n`` tokens (the
+validation text, repeated if it is too short) and runs ``model.loss`` and
+``backward``; the site building time is reported apart (``build_s``), and
+the speed ratios use forward+backward time (``fwd_bwd_s``) as the issue asks,
+with ``total_s`` (build + forward + backward) beside them. The same time and
+memory caps apply to every model: once an n exceeds one, larger n are skipped
+for that model, and the report states the caps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import ctypes
+import gc
+import json
+import math
+import os
+import resource
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field, fields
+from multiprocessing import get_context
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from sheafgnn.baselines import TransformerConfig, count_parameters, match_width
+from sheafgnn.config import ConfigFile
+from sheafgnn.lm import MODEL_KINDS, build_model
+
+SWEEP = (1024, 2048, 4096, 8192, 16384, 32768)
+RATIO_AT = (16384, 32768)  # context lengths of the sheaf vs dense speed ratios
+MIB = 1 << 20
+BASELINE_SITE = {"patch_types": []}  # dense, local and ssm read tokens only: no patches to build
+
+
+@dataclass
+class CompareConfig(ConfigFile):
+    """A comparison run (``print(config)`` shows every field)."""
+
+    out_dir: str = "runs/compare"  # compare.json, compare.md, *.png, train/<model>/
+    models: tuple[str, ...] = MODEL_KINDS  # which of sheaf | dense | local | ssm to run
+    corpus: str = "mixed"  # docs | code | mixed (embedded) or a UTF-8 text file (byte tokenizer)
+    context: int = 1024  # tokens per training window
+    batch_size: int = 4  # windows per optimizer step
+    tokens: int = 131072  # training tokens per model (the same for all)
+    lr: float = 1e-3  # peak learning rate (warm-up + cosine)
+    warmup_steps: int = 8  # linear warm-up steps
+    eval_batches: int = 8  # validation batches of batch_size windows (the same windows for every model)
+    inference_batches: int = 2  # validation batches timed for inference tokens/s
+    seed: int = 0  # init, data order
+    d_model: int = 128  # the sheaf model's width; the others are matched to its parameter count
+    n_layers: int = 2  # blocks of every model
+    n_heads: int = 4  # attention heads of dense and local
+    window: int = 256  # local attention window (tokens)
+    sheaf: dict = field(default_factory=dict)  # further SheafStateConfig fields (sheaf and ssm)
+    site: dict = field(default_factory=dict)  # SiteConfig fields of the sheaf model's sites
+    sweep: tuple[int, ...] = SWEEP  # context lengths of the forward+backward sweep
+    sweep_repeats: int = 1  # timed repeats per point (the fastest is kept)
+    time_cap_s: float = 120.0  # a model stops the sweep after an n whose forward+backward exceeds this
+    memory_cap_gb: float = 8.0  # ... or whose peak extra memory exceeds this (GiB)
+    tolerance: float = 0.1  # largest parameter-count mismatch vs the sheaf model
+    isolate: bool = True  # each model in a fresh process (honest peak memory); False: in this process
+    device: str = "cpu"  # cpu | cuda | auto
+    num_threads: int = 0  # torch CPU threads; 0: torch's default
+    progress: bool = True  # tqdm bars
+
+    def __post_init__(self) -> None:
+        self.models, self.sweep = tuple(self.models), tuple(sorted(set(self.sweep)))
+        unknown = sorted(set(self.models) - set(MODEL_KINDS))
+        if unknown or not self.models:
+            raise ValueError(f"CompareConfig: models must be a non-empty subset of {MODEL_KINDS} (got {self.models})")
+        for name in ("context", "batch_size", "tokens", "eval_batches", "inference_batches", "d_model",
+                     "n_layers", "n_heads", "window", "sweep_repeats"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"CompareConfig: {name} must be a positive integer (got {value!r})")
+        if not self.sweep or min(self.sweep) < 2:
+            raise ValueError(f"CompareConfig: sweep must hold context lengths >= 2 (got {self.sweep})")
+        if not (self.time_cap_s > 0 and self.memory_cap_gb > 0 and 0 < self.tolerance < 1):
+            raise ValueError(f"CompareConfig: need time_cap_s > 0, memory_cap_gb > 0, 0 < tolerance < 1 "
+                             f"(got {self.time_cap_s}, {self.memory_cap_gb}, {self.tolerance})")
+
+    @classmethod
+    def quick(cls, **overrides) -> CompareConfig:
+        """A toy preset that runs in seconds (tests, smoke checks)."""
+        values = dict(context=64, batch_size=2, tokens=2 * 64 * 3, warmup_steps=1, eval_batches=1,
+                      inference_batches=1, d_model=32, n_layers=1, n_heads=2, window=16,
+                      site={"local_window": 8}, sweep=(128, 256), time_cap_s=30.0, progress=False)
+        values.update(overrides)
+        return cls(**values)
+
+
+# ---------------------------------------------------------------------------
+# Peak memory
+# ---------------------------------------------------------------------------
+
+
+def _status_kib(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _release_free_memory() -> None:
+    """Return the allocator's free pages to the kernel, so the resident set is the live memory (glibc only)."""
+    gc.collect(1)  # the young generations: what the last phase left in cycles (a full pass costs ~0.3 s)
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def _reset_hwm() -> bool:
+    """Reset this process's peak resident set to the current one; False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _status_kib("VmHWM") is not None
+    except OSError:
+        return False
+
+
+class PeakMemory:
+    """Peak memory of the code in a ``with`` block (see the module docstring).
+
+    After the block: ``peak_bytes`` (the process's peak resident set, or CUDA
+    memory allocated), ``extra_bytes`` (peak minus the start) and ``method``.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.peak_bytes = self.extra_bytes = 0
+        self.method = ""
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.start = torch.cuda.memory_allocated(self.device)
+            self.method = "torch.cuda.max_memory_allocated"
+            return self
+        _release_free_memory()
+        if _reset_hwm():
+            self.start = _status_kib("VmRSS") * 1024
+            self.method = "VmHWM (peak RSS, reset per phase via /proc/self/clear_refs, after malloc_trim)"
+        else:
+            self.start = 0
+            self.method = "ru_maxrss since process start (upper bound)"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
+        elif self.start:
+            self.peak_bytes = _status_kib("VmHWM") * 1024
+        else:
+            self.peak_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        self.extra_bytes = max(0, self.peak_bytes - self.start)
+
+    def as_dict(self, prefix: str = "") -> dict:
+        return {f"{prefix}peak_rss_bytes" if self.device.type == "cpu" else f"{prefix}peak_bytes": self.peak_bytes,
+                f"{prefix}peak_extra_bytes": self.extra_bytes}
+
+
+# ---------------------------------------------------------------------------
+# Parameter matching
+# ---------------------------------------------------------------------------
+
+
+def count_model_parameters(kind: str, options: dict, vocab_size: int, site: dict | None = None) -> int:
+    """Parameters of ``build_model(kind, options, ...)``, counted on the meta device (no memory)."""
+    import sheafgnn.model  # noqa: F401  first import outside the meta context: module-level tables stay on CPU
+
+    with torch.device("meta"):
+        return count_parameters(build_model(kind, options, vocab_size, site))
+
+
+def _match_ssm_width(target: int, base: dict, vocab_size: int, tolerance: float) -> dict:
+    """The ssm options (sheaf options, gluing off) whose d_model brings it closest to ``target`` parameters."""
+    stalk, headdim, expand = base.get("stalk_dim", 4), base.get("headdim", 32), base.get("expand", 2)
+    step = math.lcm(stalk, headdim // math.gcd(headdim, expand))  # keeps stalk_dim | d and headdim | d * expand
+    count = lambda k: count_model_parameters("ssm", {**base, "d_model": k * step}, vocab_size)
+    lo, hi = 1, 1
+    while count(hi) < target:
+        lo, hi = hi, hi * 2
+        if hi * step > 1 << 16:
+            raise ValueError(f"matched_options: no ssm width up to {hi * step} reaches {target} parameters")
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if count(mid) < target else (lo, mid)
+    best = min((lo, hi), key=lambda k: abs(count(k) - target))
+    err = abs(count(best) - target) / target
+    if err > tolerance:
+        raise ValueError(f"matched_options: the closest ssm width d_model={best * step} is {err:.1%} from the sheaf "
+                         f"model's {target} parameters (tolerance {tolerance:.0%}); change n_layers or expand")
+    return {**base, "d_model": best * step}
+
+
+def matched_options(kinds: tuple[str, ...], sheaf_options: dict, vocab_size: int, *, n_heads: int, window: int,
+                    site: dict | None = None, tolerance: float = 0.1) -> tuple[dict[str, dict], dict[str, int]]:
+    """Model options with every baseline's width matched to the sheaf model's parameter count.
+
+    Args:
+        kinds (tuple[str, ...]): models wanted (the sheaf count is the target even if sheaf is absent).
+        sheaf_options (dict): :class:`~sheafgnn.model.SheafStateConfig` fields, ``d_model`` and
+            ``n_layers`` included; ssm uses them too, with gluing off and its own ``d_model``.
+        vocab_size (int): the vocabulary.
+        n_heads (int): attention heads of dense and local; their ``n_layers`` is the sheaf model's.
+        window (int): the local model's attention window.
+        site (dict, optional): the sheaf model's SiteConfig fields.
+        tolerance (float, optional): the largest relative mismatch. (default: :obj:`0.1`)
+
+    Returns:
+        ``(options, counts)``: ``build_model`` options and parameter counts, per kind.
+    """
+    target = count_model_parameters("sheaf", sheaf_options, vocab_size, site)
+    n_layers = sheaf_options.get("n_layers", 2)
+    options, counts = {}, {}
+    for kind in kinds:
+        if kind == "sheaf":
+            options[kind] = dict(sheaf_options)
+        elif kind == "ssm":
+            options[kind] = _match_ssm_width(target, dict(sheaf_options), vocab_size, tolerance)
+        else:
+            win = window if kind == "local" else None
+            cfg = match_width(target, lambda d, w=win: TransformerConfig(vocab_size=vocab_size, d_model=d,
+                                                                         n_layers=n_layers, n_heads=n_heads,
+                                                                         window=w), tolerance=tolerance)
+            options[kind] = {"d_model": cfg.d_model, "n_layers": n_layers, "n_heads": n_heads}
+            if kind == "local":
+                options[kind]["window"] = window
+        counts[kind] = count_model_parameters(kind, options[kind], vocab_size, site if kind == "sheaf" else None)
+    counts["target"] = target
+    return options, counts
+
+
+def print_parameter_counts(options: dict[str, dict], counts: dict[str, int]) -> None:
+    """A table of each model's width and parameter count vs the sheaf target."""
+    print(f"{'model':<8}{'d_model':>9}{'params':>13}{'vs sheaf':>10}")
+    for kind, opts in options.items():
+        print(f"{kind:<8}{opts['d_model']:>9}{counts[kind]:>13,}{counts[kind] / counts['target'] - 1:>+10.1%}")
+
+
+# ---------------------------------------------------------------------------
+# Work done per model (each in a fresh process by default)
+# ---------------------------------------------------------------------------
+
+
+def _in_child(isolate: bool, fn: Callable, *args):
+    """``fn(*args)`` in a fresh spawned process (``isolate``) or here."""
+    if not isolate:
+        return fn(*args)
+    with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def _device(config: CompareConfig) -> torch.device:
+    cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    return torch.device("cuda" if cuda else "cpu")
+
+
+def _site_of(kind: str, config: CompareConfig) -> dict:
+    return dict(config.site) if kind == "sheaf" else dict(BASELINE_SITE)
+
+
+def _train_config(config: CompareConfig, kind: str, options: dict):
+    from sheafgnn.train import TrainConfig
+
+    steps = math.ceil(config.tokens / (config.batch_size * config.context))
+    return TrainConfig(model=kind, model_config=options, site=_site_of(kind, config), corpus=config.corpus,
+                       context=config.context, batch_size=config.batch_size, tokens=config.tokens, lr=config.lr,
+                       warmup_steps=min(config.warmup_steps, steps), seed=config.seed, eval_every=steps,
+                       eval_batches=config.eval_batches, checkpoint_every=steps, keep_checkpoints=1, log_every=1,
+                       out_dir=str(Path(config.out_dir) / "train" / kind), num_threads=config.num_threads,
+                       device=config.device, tensorboard=False, progress=config.progress)
+
+
+def _median_train_tokens_per_s(metrics_csv: Path, overall: float) -> float:
+    """Median tokens/s over the logged training steps that did not validate (the step time alone).
+
+    A run of one step has none; then ``overall`` (``train``'s tokens / elapsed, validation included).
+    """
+    with open(metrics_csv, newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("tokens_per_s") and not r.get("val_loss")]
+    values = [float(r["tokens_per_s"]) for r in rows]
+    return statistics.median(values) if values else overall
+
+
+@torch.no_grad()
+def _inference(model: nn.Module, dataset, config: CompareConfig, device: torch.device) -> dict:
+    """Forward-only tokens/s on the first validation windows (site building timed apart)."""
+    from torch_geometric.data import Batch
+
+    model.eval()
+    n = min(len(dataset), config.inference_batches * config.batch_size)
+    build_s = forward_s = 0.0
+    tokens = 0
+    with PeakMemory(device) as mem:
+        for start in range(0, n, config.batch_size):
+            t0 = time.perf_counter()
+            batch = Batch.from_data_list([dataset[i] for i in range(start, min(n, start + config.batch_size))])
+            batch = batch.to(device)
+            t1 = time.perf_counter()
+            model(batch)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            build_s, forward_s = build_s + t1 - t0, forward_s + time.perf_counter() - t1
+            tokens += batch["token"].num_nodes
+    return {"infer_tokens_per_s": tokens / max(forward_s, 1e-9),
+            "infer_tokens_per_s_with_site": tokens / max(forward_s + build_s, 1e-9),
+            **mem.as_dict("infer_")}
+
+
+def _validation_windows(train_config):
+    """The validation windows that ``train`` evaluates on (byte tokenizer)."""
+    from sheafgnn.data import WindowDataset
+    from sheafgnn.site import ByteTokenizer, SiteBuilder, SiteConfig
+    from sheafgnn.train import load_text
+
+    ids = ByteTokenizer().encode(load_text(train_config)[1])
+    return WindowDataset(ids, train_config.context, SiteBuilder(SiteConfig.from_dict(train_config.site)))
+
+
+def train_one(config: CompareConfig, kind: str, options: dict) -> dict:
+    """Train one model with :func:`sheafgnn.train.train`; measure validation, speed and peak memory.
+
+    The model is built exactly as ``train`` would build it (same seed), then
+    trained in place so that inference can be timed on the trained weights.
+    """
+    from sheafgnn.train import train
+
+    train_config = _train_config(config, kind, options)
+    out = Path(train_config.out_dir)
+    if out.exists():
+        shutil.rmtree(out)  # compare owns out_dir/train/<model>; a stale checkpoint would block train()
+    device = _device(config)
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    validation = _validation_windows(train_config)
+    torch.manual_seed(config.seed)  # as train() does before build_model
+    model = build_model(kind, options, 256, train_config.site)
+    with PeakMemory(device) as mem:
+        result = train(train_config, model=model)
+    return {"model": kind, "params": result["params"], "steps": result["step"], "tokens": result["tokens"],
+            "train_loss": result["train_loss"], "val_loss": result["val_loss"], "val_bpb": result["val_bpb"],
+            "train_tokens_per_s": _median_train_tokens_per_s(out / "metrics.csv", result["tokens_per_s"]),
+            "train_tokens_per_s_overall": result["tokens_per_s"], "train_elapsed_s": result["elapsed_s"],
+            **mem.as_dict("train_"), **_inference(model, validation, config, device),
+            "memory_method": mem.method, "options": options}
+
+
+def _sweep_ids(config: CompareConfig, n: int) -> torch.Tensor:
+    """``n + 1`` byte ids of the validation text (repeated when too short)."""
+    from sheafgnn.site import ByteTokenizer
+    from sheafgnn.train import load_text
+
+    ids = ByteTokenizer().encode(load_text(_train_config(config, "dense", {}))[1])
+    return ids.repeat(math.ceil((n + 1) / ids.numel()))[: n + 1]
+
+
+def _fwd_bwd(model: nn.Module, ids: torch.Tensor, n: int, site_config, device: torch.device) -> tuple[float, float]:
+    """(site build s, forward+backward s) of one window of n tokens."""
+    from sheafgnn.site import build_site
+
+    t0 = time.perf_counter()
+    data = build_site(ids[:n], site_config)
+    data["token"].y = ids[1 : n + 1]
+    data = data.to(device)
+    t1 = time.perf_counter()
+    model.loss(data).backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t2 = time.perf_counter()
+    model.zero_grad(set_to_none=True)
+    return t1 - t0, t2 - t1
+
+
+def sweep_one(config: CompareConfig, kind: str, options: dict) -> list[dict]:
+    """Site build + forward + backward time and peak memory of one model at each context length.
+
+    A warm-up pass at the smallest n comes first (not recorded). After the
+    first n over ``time_cap_s`` or ``memory_cap_gb`` the larger n are skipped.
+    """
+    from sheafgnn.site import SiteConfig
+
+    device = _device(config)
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    site_config = SiteConfig.from_dict(_site_of(kind, config))
+    ids = _sweep_ids(config, max(config.sweep))
+    torch.manual_seed(config.seed)
+    model = build_model(kind, options, 256, _site_of(kind, config)).to(device).train()
+    _fwd_bwd(model, ids, min(config.sweep), site_config, device)  # warm-up
+    points, capped_at = [], None
+    cap_bytes = config.memory_cap_gb * (1 << 30)
+    for n in tqdm(config.sweep, desc=f"sweep {kind}", disable=not config.progress, leave=False):
+        if capped_at is not None:
+            points.append({"n": n, "skipped": True, "reason": f"over a cap at n={capped_at}"})
+            continue
+        build, fb, peak = math.inf, math.inf, None
+        for _ in range(config.sweep_repeats):
+            with PeakMemory(device) as mem:
+                b, f = _fwd_bwd(model, ids, n, site_config, device)
+            build, fb = min(build, b), min(fb, f)
+            peak = mem if peak is None or mem.extra_bytes > peak.extra_bytes else peak
+        point = {"n": n, "skipped": False, "build_s": build, "fwd_bwd_s": fb, "total_s": build + fb,
+                 **peak.as_dict(), "memory_method": peak.method}
+        over = [c for c, hit in (("time", fb > config.time_cap_s), ("memory", peak.extra_bytes > cap_bytes)) if hit]
+        if over:
+            point["over_cap"] = over
+            capped_at = n
+        points.append(point)
+    return points
+
+
+# ---------------------------------------------------------------------------
+# The run and its report
+# ---------------------------------------------------------------------------
+
+
+def speed_ratios(sweep: dict[str, list[dict]], at: tuple[int, ...] = RATIO_AT) -> dict[str, dict]:
+    """Sheaf vs dense at each n of ``at``: dense time / sheaf time and sheaf memory / dense memory.
+
+    Where dense was skipped (over a cap at a smaller n), the time ratio is
+    None and ``time_ratio_at_least`` bounds it from below with dense's time at
+    the n where it went over the cap (its time only grows with n).
+    """
+    out = {}
+    if "sheaf" not in sweep or "dense" not in sweep:
+        return out
+    points = {kind: {p["n"]: p for p in sweep[kind]} for kind in ("sheaf", "dense")}
+    for n in at:
+        s, d = points["sheaf"].get(n), points["dense"].get(n)
+        if s is None or d is None or s["skipped"]:
+            continue
+        row = {"sheaf_fwd_bwd_s": s["fwd_bwd_s"], "sheaf_peak_extra_bytes": s["peak_extra_bytes"]}
+        if d["skipped"]:
+            measured = [p for p in sweep["dense"] if not p["skipped"]]
+            row.update(time_ratio=None, memory_ratio=None, dense="skipped: " + d["reason"],
+                       time_ratio_at_least=measured[-1]["fwd_bwd_s"] / s["fwd_bwd_s"] if measured else None)
+        else:
+            row.update(dense_fwd_bwd_s=d["fwd_bwd_s"], dense_peak_extra_bytes=d["peak_extra_bytes"],
+                       time_ratio=d["fwd_bwd_s"] / s["fwd_bwd_s"],
+                       total_time_ratio=d["total_s"] / s["total_s"],
+                       memory_ratio=s["peak_extra_bytes"] / max(d["peak_extra_bytes"], 1))
+        out[str(n)] = row
+    return out
+
+
+def run_compare(config: CompareConfig) -> dict:
+    """Train and sweep every model of ``config``; write the report; return it as a dict.
+
+    Returns:
+        dict with ``config``, ``params`` (counts per model and the target),
+        ``training`` (per model: val bits/byte, tokens/s, peak memory, ...),
+        ``sweep`` (per model: list of points), ``ratios`` (sheaf vs dense at 16k
+        and 32k), ``caps``, ``memory_method``, ``device`` and ``files``.
+    """
+    print(config)
+    out = Path(config.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sheaf_options = {"d_model": config.d_model, "n_layers": config.n_layers, **config.sheaf}
+    options, counts = matched_options(config.models, sheaf_options, 256, n_heads=config.n_heads,
+                                      window=config.window, site=config.site, tolerance=config.tolerance)
+    print_parameter_counts(options, counts)
+    training, sweep = {}, {}
+    for kind in config.models:
+        print(f"\n== {kind}: training {config.tokens:,} tokens ==")
+        training[kind] = _in_child(config.isolate, train_one, config, kind, options[kind])
+    for kind in tqdm(config.models, desc="context sweep", disable=not config.progress):
+        try:
+            sweep[kind] = _in_child(config.isolate, sweep_one, config, kind, options[kind])
+        except BrokenProcessPool:  # the child was killed, e.g. by the kernel's out-of-memory killer
+            reason = "the sweep process died (out of memory?); lower memory_cap_gb"
+            sweep[kind] = [{"n": n, "skipped": True, "reason": reason} for n in config.sweep]
+            print(f"sweep {kind}: {reason}", file=sys.stderr)
+    report = {"config": config.to_dict(), "params": counts, "training": training, "sweep": sweep,
+              "ratios": speed_ratios(sweep),
+              "caps": {"time_cap_s": config.time_cap_s, "memory_cap_gb": config.memory_cap_gb},
+              "memory_method": next(iter(training.values()))["memory_method"], "device": str(_device(config)),
+              "threads": config.num_threads or torch.get_num_threads(), "cpu_count": os.cpu_count()}
+    report["files"] = write_report(report, out)
+    print("\n" + markdown(report))
+    return report
+
+
+def _mib(value) -> str:
+    return "-" if value is None else f"{value / MIB:,.0f}"
+
+
+def markdown(report: dict) -> str:
+    """The report as Markdown: training table, sweep table, ratios, caps and method."""
+    training, sweep, caps = report["training"], report["sweep"], report["caps"]
+    cfg = report["config"]
+    lines = ["# sheafgnn compare\n",
+             f"{cfg['tokens']:,} training tokens per model, context {cfg['context']}, batch {cfg['batch_size']}, "
+             f"seed {cfg['seed']}, corpus `{cfg['corpus']}` (byte tokenizer), device {report['device']}, "
+             f"{report['threads']} thread(s) on {report['cpu_count']} CPU(s).\n",
+             "| model | d_model | params | val bits/byte | train tok/s | infer tok/s | infer tok/s (with site) "
+             "| peak train RSS (MiB) | peak train extra (MiB) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for kind, r in training.items():
+        peak = r.get("train_peak_rss_bytes", r.get("train_peak_bytes"))
+        lines.append(f"| {kind} | {r['options']['d_model']} | {r['params']:,} | {r['val_bpb']:.4f} "
+                     f"| {r['train_tokens_per_s']:,.0f} | {r['infer_tokens_per_s']:,.0f} "
+                     f"| {r['infer_tokens_per_s_with_site']:,.0f} | {_mib(peak)} "
+                     f"| {_mib(r['train_peak_extra_bytes'])} |")
+    kinds = list(sweep)
+    lines += ["", "## Context sweep: one window, site build + forward + backward", "",
+              "Forward+backward seconds / peak extra MiB (site build seconds in brackets).", "",
+              "| n | " + " | ".join(kinds) + " |", "|---:|" + "---:|" * len(kinds)]
+    for i, n in enumerate(cfg["sweep"]):
+        cells = []
+        for kind in kinds:
+            p = sweep[kind][i]
+            cells.append("skipped" if p["skipped"] else
+                         f"{p['fwd_bwd_s']:.2f} s / {_mib(p['peak_extra_bytes'])} MiB ({p['build_s']:.2f})"
+                         + (" over cap" if p.get("over_cap") else ""))
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    lines += ["", f"Caps, the same for every model: forward+backward over {caps['time_cap_s']:g} s or peak extra "
+              f"memory over {caps['memory_cap_gb']:g} GiB at some n skips the larger n.", "",
+              "## Sheaf vs dense", ""]
+    if not report["ratios"]:
+        lines.append("No ratio: the sweep reached neither 16k nor 32k for both models.")
+    for n, r in report["ratios"].items():
+        if r["time_ratio"] is None:
+            bound = r.get("time_ratio_at_least")
+            lines.append(f"- n = {n}: dense {r['dense']}; sheaf {r['sheaf_fwd_bwd_s']:.2f} s"
+                         + (f", so dense/sheaf time >= {bound:.2f}x" if bound else ""))
+        else:
+            lines.append(f"- n = {n}: sheaf forward+backward {r['time_ratio']:.2f}x faster than dense "
+                         f"({r['sheaf_fwd_bwd_s']:.2f} s vs {r['dense_fwd_bwd_s']:.2f} s; "
+                         f"{r['total_time_ratio']:.2f}x with site building), peak extra memory "
+                         f"{r['memory_ratio']:.3f} of dense's ({_mib(r['sheaf_peak_extra_bytes'])} vs "
+                         f"{_mib(r['dense_peak_extra_bytes'])} MiB)")
+    lines += ["", f"Memory: {report['memory_method']}; 'extra' is the peak minus the resident set at the start of "
+              "the phase (see `sheafgnn.compare`). Each model ran in "
+              + ("its own fresh process." if cfg["isolate"] else "this one process, one after another (--in-process; "
+                 "free memory is trimmed before each phase, but what earlier models left cached can make later "
+                 "models' extra memory read low).")]
+    return "\n".join(lines) + "\n"
+
+
+def _plot(report: dict, out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    training, sweep = report["training"], report["sweep"]
+    kinds = list(training)
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    axes[0].bar(kinds, [training[k]["val_bpb"] for k in kinds], color="tab:blue")
+    axes[0].set_title("validation bits per byte")
+    x = range(len(kinds))
+    axes[1].bar([i - 0.2 for i in x], [training[k]["train_tokens_per_s"] for k in kinds], 0.4, label="train")
+    axes[1].bar([i + 0.2 for i in x], [training[k]["infer_tokens_per_s"] for k in kinds], 0.4, label="inference")
+    axes[1].set_xticks(list(x), kinds)
+    axes[1].set_title("tokens / s")
+    axes[1].legend()
+    axes[2].bar(kinds, [training[k]["train_peak_extra_bytes"] / MIB for k in kinds], color="tab:red")
+    axes[2].set_title("peak extra memory in training (MiB)")
+    fig.tight_layout()
+    fig.savefig(out / "training.png", dpi=120)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for kind, points in sweep.items():
+        done = [p for p in points if not p["skipped"]]
+        axes[0].plot([p["n"] for p in done], [p["fwd_bwd_s"] for p in done], "o-", label=kind)
+        axes[1].plot([p["n"] for p in done], [p["peak_extra_bytes"] / MIB for p in done], "o-", label=kind)
+    axes[0].axhline(report["caps"]["time_cap_s"], color="grey", ls="--", lw=1, label="time cap")
+    for ax, title in zip(axes, ("forward+backward (s)", "peak extra memory (MiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context length n")
+        ax.set_title(title)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "sweep.png", dpi=120)
+    plt.close(fig)
+    return ["training.png", "sweep.png"]
+
+
+def write_report(report: dict, out: Path) -> list[str]:
+    """Write compare.json, compare.md and the plots into ``out``; return the file names."""
+    files = _plot(report, out) + ["compare.md", "compare.json"]
+    (out / "compare.md").write_text(markdown(report) + "\n![training](training.png)\n\n![sweep](sweep.png)\n")
+    (out / "compare.json").write_text(json.dumps({**report, "files": files}, indent=2, default=str))
+    return files
+
+
+# ---------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def parse_compare_args(argv: list[str] | None = None) -> CompareConfig:
+    """``sheafgnn compare`` flags -> a :class:`CompareConfig` (``--quick`` starts from the toy preset)."""
+    parser = argparse.ArgumentParser(prog="sheafgnn compare", description="sheaf vs dense, local and ssm at equal "
+                                     "parameters and tokens: training, speed, memory and a context sweep")
+    parser.add_argument("--quick", action="store_true", help="toy sizes that run in seconds")
+    parser.add_argument("--out", dest="out_dir", help="output folder (default: runs/compare)")
+    parser.add_argument("--in-process", action="store_true", help="run every model in this process, not a fresh "
+                        "one each (faster start; peak memory is still reset per phase)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--config", help="a CompareConfig as YAML, TOML or JSON (flags override it)")
+    defaults = CompareConfig()
+    for f in fields(CompareConfig):
+        if f.name in ("out_dir", "isolate", "progress"):
+            continue
+        value = getattr(defaults, f.name)
+        if isinstance(value, tuple):
+            kind = int if f.name == "sweep" else str
+            parser.add_argument(_flag(f.name), nargs="+", type=kind, help=f"(default: {' '.join(map(str, value))})")
+        elif isinstance(value, dict):
+            parser.add_argument(_flag(f.name), type=json.loads, help=f"JSON object of fields (default: {value})")
+        else:
+            parser.add_argument(_flag(f.name), type=type(value), help=f"(default: {value})")
+    args = vars(parser.parse_args(argv))
+    base = CompareConfig.load(args["config"]).to_dict() if args["config"] else {}
+    values = {k: v for k, v in args.items() if v is not None and k in {f.name for f in fields(CompareConfig)}}
+    if args["in_process"]:
+        values["isolate"] = False
+    if args["no_progress"]:
+        values["progress"] = False
+    if args["quick"]:
+        return CompareConfig.quick(**{**base, **values})
+    return CompareConfig(**{**base, **values})
+
+
+def main_compare(argv: list[str] | None = None) -> int:
+    """``sheafgnn compare [flags]``; returns the exit status."""
+    try:
+        config = parse_compare_args(argv)
+        report = run_compare(config)
+    except ValueError as err:
+        print(f"sheafgnn compare: error: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {', '.join(str(Path(config.out_dir) / f) for f in report['files'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main_compare())

@@ -1,0 +1,532 @@
+r"""``sheafgnn tasks``: the structured dependency tasks for sheaf, dense, local and ssm.
+
+::
+
+    sheafgnn tasks [--quick] [--out runs/tasks] [--steps 40] [--zoology] ...
+
+    TasksConfig
+      for task in (mqar, selective_copying, induction_heads):      generators: sheafgnn.tasks
+        matched_options (sheafgnn.compare)    baselines' widths matched to the sheaf model's
+                                              parameters for this task's vocabulary (or --equal-width)
+        for model in (sheaf, dense, local, ssm):
+          train_task     AdamW, warm-up + cosine (sheafgnn.train.lr_at), clipping; fresh batches
+                         from a generator seeded by `seed`: every model sees the same batches
+          evaluate       accuracy on the scored positions of held-out rows (another seed),
+                         induction heads at every length of induction_test_lens
+      -> out_dir/tasks.json  tasks.md  induction.png
+
+Sizes (defaults; all are flags). MQAR at the issue's CPU size: sequence 256,
+16 pairs, vocabulary 512 (``--zoology``: 512, 64, 8192, as in Arora et al.
+2023). Selective copying: sequence 256, 16 data tokens, vocabulary 16.
+Induction heads: vocabulary 16, trained at 256, tested at 256, 1k, 4k, 16k.
+Models: d_model 64 for the sheaf model, 2 layers.
+
+From token sequences to sites
+-----------------------------
+A task row (T token ids) becomes a site with
+:func:`~sheafgnn.site.build_site`, one row at a time, ``data['token'].y`` the
+row's targets (IGNORE_INDEX where unscored); rows are batched with PyG. The
+task ids are not text, so:
+
+- the byte-rule patch types (``sentence``, ``syntax``, ``instruction``,
+  ``topic``, and ``memory``, whose entities are words of bytes) are switched
+  off: on synthetic ids they would find sentences and brackets that are not
+  there (vocab <= 256, where ids pass for bytes) or wrap ids modulo 256
+  (vocab > 256). What stays on: ``local``, ``retrieval``, ``workspace`` and
+  ``output``;
+- :class:`TaskTokenizer` maps every id to one neutral byte (``x``, which no
+  byte rule reacts to), so the builder's byte stage is defined for any
+  vocabulary and finds nothing;
+- retrieval hashes the *ids* (not bytes): a position whose last
+  ``retrieval_key_len`` ids occurred before links the token after the
+  earlier match to it, exactly the induction / associative-recall pattern.
+  ``retrieval_key_len`` is 1, because in all three tasks a key is one token
+  (an MQAR key, the induction trigger); with the text default of 3 the
+  retrieval never fires on them, as the ids before a query are noise. This
+  is a setting of the sheaf model's site, the same for all three tasks and
+  stated in the report; the tasks themselves are the unmodified generators.
+
+The baselines read token ids only; their sites are built with no patch types
+(tokens and outputs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from torch_geometric.data import Batch
+from tqdm import tqdm
+
+from sheafgnn.compare import count_model_parameters, matched_options, print_parameter_counts
+from sheafgnn.config import ConfigFile
+from sheafgnn.lm import MODEL_KINDS, build_model
+from sheafgnn.site import SiteConfig, build_site
+from sheafgnn.tasks import IGNORE_INDEX, induction_heads, mqar, selective_copying
+
+TASKS = ("mqar", "selective_copying", "induction_heads")
+TASK_SITE = {"patch_types": ["local", "retrieval", "workspace", "output"], "retrieval_key_len": 1}
+BASELINE_SITE = {"patch_types": []}
+NEUTRAL_BYTE = ord("x")  # what every task id stands for in the builder's byte rules
+ZOOLOGY = {"mqar_seq_len": 512, "mqar_pairs": 64, "mqar_vocab": 8192}
+
+
+class TaskTokenizer:
+    """The tokenizer interface :func:`~sheafgnn.site.build_site` needs, for synthetic ids.
+
+    Every id in ``[0, vocab_size)`` is one token of one byte, :data:`NEUTRAL_BYTE`,
+    so the byte rules see a run of letters and make no patch; id-based rules
+    (local windows, retrieval on id keys, workspace, output) are unaffected.
+
+    Args:
+        vocab_size (int): the task's vocabulary.
+    """
+
+    def __init__(self, vocab_size: int) -> None:
+        if vocab_size < 2:
+            raise ValueError(f"TaskTokenizer: vocab_size must be >= 2 (got {vocab_size})")
+        self.vocab_size = vocab_size
+
+    def token_bytes(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """(bytes (n,), bytes per token (n,)): one neutral byte per id."""
+        return torch.full(ids.shape, NEUTRAL_BYTE, dtype=torch.uint8), torch.ones_like(ids)
+
+    def __repr__(self) -> str:
+        return f"TaskTokenizer(vocab_size={self.vocab_size})"
+
+
+@dataclass
+class TasksConfig(ConfigFile):
+    """A run of the dependency tasks (``print(config)`` shows every field)."""
+
+    out_dir: str = "runs/tasks"  # tasks.json, tasks.md, induction.png
+    models: tuple[str, ...] = MODEL_KINDS  # which of sheaf | dense | local | ssm
+    tasks: tuple[str, ...] = TASKS  # which of mqar | selective_copying | induction_heads
+    d_model: int = 64  # the sheaf model's width
+    n_layers: int = 2  # blocks of every model
+    n_heads: int = 2  # attention heads of dense and local
+    window: int = 64  # local attention window (tokens)
+    equal_width: bool = False  # True: every model at d_model; False: baselines matched to the sheaf parameters
+    sheaf: dict = field(default_factory=dict)  # further SheafStateConfig fields (sheaf and ssm)
+    site: dict = field(default_factory=lambda: dict(TASK_SITE))  # the sheaf model's SiteConfig (module docstring)
+    steps: int = 40  # optimizer steps per task and model
+    batch_size: int = 16  # rows per step
+    lr: float = 3e-3  # peak learning rate
+    warmup_steps: int = 4  # linear warm-up
+    weight_decay: float = 0.1  # AdamW decay on matrices
+    grad_clip: float = 1.0  # global gradient-norm clip; 0: none
+    seed: int = 0  # init and training batches; test rows use other seeds
+    test_examples: int = 64  # held-out rows per task at the training length
+    mqar_seq_len: int = 256  # MQAR row length
+    mqar_pairs: int = 16  # MQAR key-value pairs
+    mqar_vocab: int = 512  # MQAR vocabulary
+    copy_seq_len: int = 256  # selective copying row length
+    copy_tokens: int = 16  # data tokens to copy
+    copy_vocab: int = 16  # selective copying vocabulary
+    induction_vocab: int = 16  # induction heads vocabulary
+    induction_train_len: int = 256  # induction heads training length
+    induction_test_lens: tuple[int, ...] = (256, 1024, 4096, 16384)  # induction test lengths
+    induction_long_examples: int = 8  # held-out rows at each test length above the training length
+    eval_tokens: int = 16384  # tokens per forward pass at test time
+    device: str = "cpu"  # cpu | cuda | auto
+    num_threads: int = 0  # torch CPU threads; 0: torch's default
+    progress: bool = True  # tqdm bars
+
+    def __post_init__(self) -> None:
+        self.models, self.tasks = tuple(self.models), tuple(self.tasks)
+        self.induction_test_lens = tuple(sorted(set(self.induction_test_lens)))
+        if not self.models or set(self.models) - set(MODEL_KINDS):
+            raise ValueError(f"TasksConfig: models must be a non-empty subset of {MODEL_KINDS} (got {self.models})")
+        if not self.tasks or set(self.tasks) - set(TASKS):
+            raise ValueError(f"TasksConfig: tasks must be a non-empty subset of {TASKS} (got {self.tasks})")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "int" and f.name not in ("seed", "warmup_steps", "num_threads") and value < 1:
+                raise ValueError(f"TasksConfig: {f.name} must be a positive integer (got {value!r})")
+        if not (self.lr > 0 and self.weight_decay >= 0 and self.grad_clip >= 0):
+            raise ValueError(f"TasksConfig: need lr > 0, weight_decay >= 0, grad_clip >= 0 "
+                             f"(got {self.lr}, {self.weight_decay}, {self.grad_clip})")
+        if not self.induction_test_lens or min(self.induction_test_lens) < 3:
+            raise ValueError(f"TasksConfig: induction_test_lens must be lengths >= 3 (got {self.induction_test_lens})")
+        SiteConfig.from_dict(self.site)  # validate early
+
+    @classmethod
+    def quick(cls, **overrides) -> TasksConfig:
+        """A toy preset that runs in seconds (tests, smoke checks)."""
+        values = dict(d_model=32, n_layers=1, window=16, sheaf={"headdim": 16}, steps=2, batch_size=2,
+                      warmup_steps=1, test_examples=4,
+                      mqar_seq_len=64, mqar_pairs=4, mqar_vocab=64, copy_seq_len=32, copy_tokens=4,
+                      induction_train_len=32, induction_test_lens=(32, 128), induction_long_examples=2,
+                      progress=False)
+        values.update(overrides)
+        return cls(**values)
+
+
+# ---------------------------------------------------------------------------
+# Tasks as sites
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class TaskSpec:
+    """One task: its vocabulary, training length, test lengths and row sampler."""
+
+    name: str
+    vocab_size: int
+    train_len: int
+    test_lens: tuple[int, ...]
+    sample: Callable[[int, int, torch.Generator], tuple[Tensor, Tensor]]  # (rows, length, gen) -> (x, y) (B, T)
+
+
+def task_specs(config: TasksConfig) -> dict[str, TaskSpec]:
+    """The configured tasks, each sampling rows from the unmodified generators of :mod:`sheafgnn.tasks`."""
+    c = config
+    specs = {
+        "mqar": TaskSpec("mqar", c.mqar_vocab, c.mqar_seq_len, (c.mqar_seq_len,),
+                         lambda b, n, g: mqar(b, n, c.mqar_pairs, c.mqar_vocab, g)),
+        "selective_copying": TaskSpec("selective_copying", c.copy_vocab, c.copy_seq_len, (c.copy_seq_len,),
+                                      lambda b, n, g: selective_copying(b, n, c.copy_tokens, c.copy_vocab, g)),
+        "induction_heads": TaskSpec("induction_heads", c.induction_vocab, c.induction_train_len,
+                                    c.induction_test_lens,
+                                    lambda b, n, g: induction_heads(b, n, c.induction_vocab, g)),
+    }
+    return {name: specs[name] for name in config.tasks}
+
+
+def to_sites(inputs: Tensor, targets: Tensor, site_config: SiteConfig, tokenizer: TaskTokenizer) -> Batch:
+    """Rows of task ids (B, T) and their targets (B, T) -> a PyG ``Batch`` of B sites.
+
+    Each row is built with :func:`~sheafgnn.site.build_site` (vectorised
+    within the row); ``data['token'].y`` holds the row's targets.
+    """
+    sites = []
+    for x, y in zip(inputs, targets):
+        data = build_site(x, site_config, tokenizer=tokenizer)
+        data["token"].y = y.clone()
+        sites.append(data)
+    return Batch.from_data_list(sites)
+
+
+# ---------------------------------------------------------------------------
+# Training and evaluation
+# ---------------------------------------------------------------------------
+
+
+def _device(config: TasksConfig) -> torch.device:
+    cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    return torch.device("cuda" if cuda else "cpu")
+
+
+def _optimizer(model: nn.Module, config: TasksConfig) -> torch.optim.Optimizer:
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=config.lr, betas=(0.9, 0.95))
+
+
+def train_task(model: nn.Module, spec: TaskSpec, config: TasksConfig, site_config: SiteConfig,
+               desc: str = "") -> dict:
+    """Train ``model`` on fresh rows of ``spec`` (the same rows for every model: seeded by ``config.seed``).
+
+    Returns:
+        dict with ``train_loss`` (mean of the last quarter of steps), ``train_s``
+        and ``train_tokens_per_s`` (site building included).
+    """
+    from sheafgnn.train import TrainConfig, lr_at
+
+    schedule = TrainConfig(lr=config.lr, warmup_steps=min(config.warmup_steps, config.steps), steps=config.steps)
+    device, tokenizer = _device(config), TaskTokenizer(spec.vocab_size)
+    generator = torch.Generator().manual_seed(config.seed)
+    optimizer = _optimizer(model, config)
+    losses = []
+    model.train()
+    start = time.perf_counter()
+    bar = tqdm(range(config.steps), desc=desc, disable=not config.progress, leave=False, dynamic_ncols=True)
+    for step in bar:
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, schedule)
+        x, y = spec.sample(config.batch_size, spec.train_len, generator)  # (B, T), (B, T)
+        loss = model.loss(to_sites(x, y, site_config, tokenizer).to(device))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip or math.inf)
+        optimizer.step()
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    elapsed = time.perf_counter() - start
+    tail = losses[-max(1, len(losses) // 4):]
+    return {"train_loss": sum(tail) / len(tail), "train_s": elapsed,
+            "train_tokens_per_s": config.steps * config.batch_size * spec.train_len / max(elapsed, 1e-9)}
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, spec: TaskSpec, length: int, examples: int, config: TasksConfig,
+             site_config: SiteConfig) -> dict:
+    """Accuracy (argmax == target) over the scored positions of ``examples`` held-out rows of ``length``.
+
+    The rows come from a generator seeded by (seed, length), different from
+    the training stream and the same for every model.
+    """
+    device, tokenizer = _device(config), TaskTokenizer(spec.vocab_size)
+    generator = torch.Generator().manual_seed(config.seed + 1_000_003 * length + 7)
+    x, y = spec.sample(examples, length, generator)  # (R, T), (R, T)
+    rows = max(1, config.eval_tokens // length)  # rows per forward pass
+    model.eval()
+    correct = scored = 0
+    for i in range(0, examples, rows):
+        batch = to_sites(x[i : i + rows], y[i : i + rows], site_config, tokenizer).to(device)
+        pred = model(batch).argmax(-1)  # (rows * T,)
+        target = batch["token"].y
+        mask = target != IGNORE_INDEX
+        correct += int((pred[mask] == target[mask]).sum())
+        scored += int(mask.sum())
+    model.train()
+    return {"accuracy": correct / max(scored, 1), "scored": scored, "rows": examples}
+
+
+def task_options(config: TasksConfig, vocab_size: int) -> tuple[dict[str, dict], dict[str, int]]:
+    """``build_model`` options and parameter counts per model for one task's vocabulary.
+
+    The sheaf model is at ``d_model``; the others are matched to its parameter
+    count (:func:`~sheafgnn.compare.matched_options`), or, with
+    ``equal_width``, all at ``d_model`` too (counts then differ; they are printed).
+    """
+    sheaf_options = {"d_model": config.d_model, "n_layers": config.n_layers, **config.sheaf}
+    if not config.equal_width:
+        return matched_options(config.models, sheaf_options, vocab_size, n_heads=config.n_heads,
+                               window=config.window, site=config.site)
+    attention = {"d_model": config.d_model, "n_layers": config.n_layers, "n_heads": config.n_heads}
+    options = {"sheaf": dict(sheaf_options), "ssm": dict(sheaf_options), "dense": dict(attention),
+               "local": {**attention, "window": config.window}}
+    options = {k: options[k] for k in config.models}
+    counts = {k: count_model_parameters(k, options[k], vocab_size, config.site if k == "sheaf" else None)
+              for k in config.models}
+    counts["target"] = count_model_parameters("sheaf", sheaf_options, vocab_size, config.site)
+    return options, counts
+
+
+def run_task(spec: TaskSpec, config: TasksConfig) -> dict:
+    """Match the widths for this task's vocabulary, then train and test every model on it."""
+    options, counts = task_options(config, spec.vocab_size)
+    print(f"\n== {spec.name}: vocabulary {spec.vocab_size}, train length {spec.train_len}, "
+          f"{config.steps} steps of {config.batch_size} rows ==")
+    print_parameter_counts(options, counts)
+    device = _device(config)
+    out = {}
+    for kind in config.models:
+        site = dict(config.site) if kind == "sheaf" else dict(BASELINE_SITE)
+        site_config = SiteConfig.from_dict(site)
+        torch.manual_seed(config.seed)
+        model = build_model(kind, options[kind], spec.vocab_size, site).to(device)
+        result = {"params": counts[kind], "d_model": options[kind]["d_model"],
+                  **train_task(model, spec, config, site_config, desc=f"{spec.name} {kind}")}
+        accuracy, scored = {}, {}
+        for length in tqdm(spec.test_lens, desc=f"test {kind}", disable=not config.progress, leave=False):
+            examples = config.test_examples if length <= spec.train_len else config.induction_long_examples
+            r = evaluate(model, spec, length, examples, config, site_config)
+            accuracy[str(length)], scored[str(length)] = r["accuracy"], r["scored"]
+        result.update(accuracy=accuracy, scored=scored)
+        print(f"{kind:<6} loss {result['train_loss']:.3f}  accuracy "
+              + "  ".join(f"@{n}: {a:.3f}" for n, a in accuracy.items())
+              + f"  ({result['train_s']:.0f} s, {result['train_tokens_per_s']:.0f} train tok/s)")
+        out[kind] = result
+    return {"vocab_size": spec.vocab_size, "train_len": spec.train_len, "test_lens": list(spec.test_lens),
+            "models": out}
+
+
+def run_tasks(config: TasksConfig) -> dict:
+    """Every configured task for every configured model; writes the report; returns it as a dict.
+
+    Returns:
+        dict with ``config`` and ``tasks``: per task, ``models`` -> per model
+        ``params``, ``d_model``, ``train_loss``, ``train_s``, ``train_tokens_per_s``,
+        ``accuracy`` and ``scored`` (per test length), plus ``files``.
+    """
+    print(config)
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    out = Path(config.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    tasks = {name: run_task(spec, config) for name, spec in task_specs(config).items()}
+    report = {"config": config.to_dict(), "tasks": tasks, "elapsed_s": time.perf_counter() - start,
+              "threads": torch.get_num_threads()}
+    report["files"] = write_report(report, out)
+    print("\n" + markdown(report))
+    return report
+
+
+# ---------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------
+
+THRESHOLD = 0.99  # "solved"
+
+
+def _columns(report: dict) -> list[tuple[str, str]]:
+    cols = []
+    for task, r in report["tasks"].items():
+        for n in r["test_lens"]:
+            cols.append((task, str(n)))
+    return cols
+
+
+def _label(task: str, n: str, report: dict) -> str:
+    short = {"mqar": "MQAR", "selective_copying": "sel. copy", "induction_heads": "induction"}[task]
+    return f"{short} @{n}" if task == "induction_heads" or len(report["tasks"][task]["test_lens"]) > 1 else short
+
+
+def shortfalls(report: dict) -> list[str]:
+    """Lines naming every (task, length) where dense reaches the threshold and another model does not."""
+    lines = []
+    for task, n in _columns(report):
+        models = report["tasks"][task]["models"]
+        if "dense" not in models or models["dense"]["accuracy"][n] < THRESHOLD:
+            continue
+        for kind, r in models.items():
+            if kind != "dense" and r["accuracy"][n] < THRESHOLD:
+                lines.append(f"- {_label(task, n, report)}: {kind} {r['accuracy'][n]:.3f} vs dense "
+                             f"{models['dense']['accuracy'][n]:.3f}")
+    return lines
+
+
+def markdown(report: dict) -> str:
+    """The report as Markdown: accuracy table, parameters, shortfalls, setup."""
+    cfg, cols = report["config"], _columns(report)
+    models = list(cfg["models"])
+    lines = ["# sheafgnn tasks\n",
+             f"Accuracy on the scored positions of held-out rows; {cfg['steps']} steps of {cfg['batch_size']} rows "
+             f"per task and model, seed {cfg['seed']}, {report['threads']} thread(s), "
+             f"{report['elapsed_s'] / 60:.1f} min in all.\n",
+             "| model | " + " | ".join(_label(t, n, report) for t, n in cols) + " |",
+             "|---|" + "---:|" * len(cols)]
+    for kind in models:
+        lines.append(f"| {kind} | " + " | ".join(f"{report['tasks'][t]['models'][kind]['accuracy'][n]:.3f}"
+                                                 for t, n in cols) + " |")
+    lines += ["", "Parameters (d_model) and training time per task:", "",
+              "| model | " + " | ".join(report["tasks"]) + " |", "|---|" + "---:|" * len(report["tasks"])]
+    for kind in models:
+        cells = [f"{r['models'][kind]['params']:,} ({r['models'][kind]['d_model']}), "
+                 f"{r['models'][kind]['train_s']:.0f} s" for r in report["tasks"].values()]
+        lines.append(f"| {kind} | " + " | ".join(cells) + " |")
+    short = shortfalls(report)
+    lines += ["", f"## Where a model falls short of {THRESHOLD} that dense reaches", ""]
+    lines += short or ["- none (or dense reaches it nowhere)"]
+    lines += ["", "## Setup", "",
+              f"- MQAR: sequence {cfg['mqar_seq_len']}, {cfg['mqar_pairs']} pairs, vocabulary {cfg['mqar_vocab']}; "
+              f"selective copying: sequence {cfg['copy_seq_len']}, {cfg['copy_tokens']} tokens, vocabulary "
+              f"{cfg['copy_vocab']}; induction heads: vocabulary {cfg['induction_vocab']}, trained at "
+              f"{cfg['induction_train_len']}, tested with {cfg['test_examples']} rows at the training length and "
+              f"{cfg['induction_long_examples']} rows at each longer one.",
+              f"- Models: sheaf d_model {cfg['d_model']}, {cfg['n_layers']} layer(s); "
+              + ("every model at the same d_model." if cfg["equal_width"] else
+                 "dense, local and ssm widths matched to the sheaf model's parameter count (within 10%).")
+              + f" Local window {cfg['window']}, {cfg['n_heads']} heads.",
+              f"- Sheaf sites: `{json.dumps(cfg['site'])}` with one neutral byte per id (see `sheafgnn.evaltasks`); "
+              "the baselines read token ids only.",
+              f"- Training: AdamW, lr {cfg['lr']:g}, warm-up {cfg['warmup_steps']} + cosine, "
+              f"clip {cfg['grad_clip']:g}, fresh rows each step from one seed (the same rows for every model)."]
+    return "\n".join(lines) + "\n"
+
+
+def _plot(report: dict, out: Path) -> list[str]:
+    if "induction_heads" not in report["tasks"]:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    task = report["tasks"]["induction_heads"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for kind, r in task["models"].items():
+        lens = [int(n) for n in r["accuracy"]]
+        ax.plot(lens, list(r["accuracy"].values()), "o-", label=kind)
+    ax.axhline(1 / (task["vocab_size"] - 1), color="grey", ls=":", lw=1, label="chance")
+    ax.axvline(task["train_len"], color="grey", ls="--", lw=1, label="train length")
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("test length")
+    ax.set_ylabel("accuracy")
+    ax.set_title("induction heads")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "induction.png", dpi=120)
+    plt.close(fig)
+    return ["induction.png"]
+
+
+def write_report(report: dict, out: Path) -> list[str]:
+    """Write tasks.json, tasks.md and induction.png into ``out``; return the file names."""
+    plots = _plot(report, out)
+    files = plots + ["tasks.md", "tasks.json"]
+    (out / "tasks.md").write_text(markdown(report) + "".join(f"\n![{p}]({p})\n" for p in plots))
+    (out / "tasks.json").write_text(json.dumps({**report, "files": files}, indent=2))
+    return files
+
+
+# ---------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------
+
+
+def parse_tasks_args(argv: list[str] | None = None) -> TasksConfig:
+    """``sheafgnn tasks`` flags -> a :class:`TasksConfig` (``--quick`` starts from the toy preset)."""
+    parser = argparse.ArgumentParser(prog="sheafgnn tasks", description="MQAR, selective copying and induction "
+                                     "heads for sheaf, dense, local and ssm")
+    parser.add_argument("--quick", action="store_true", help="toy sizes that run in seconds")
+    parser.add_argument("--zoology", action="store_true", help="MQAR at the Zoology sizes: sequence 512, 64 pairs, "
+                        "vocabulary 8192 (explicit --mqar-* flags win)")
+    parser.add_argument("--out", dest="out_dir", help="output folder (default: runs/tasks)")
+    parser.add_argument("--equal-width", action="store_true", help="every model at --d-model instead of matching "
+                        "the baselines' parameters to the sheaf model")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--config", help="a TasksConfig as YAML, TOML or JSON (flags override it)")
+    defaults = TasksConfig()
+    for f in fields(TasksConfig):
+        if f.name in ("out_dir", "equal_width", "progress"):
+            continue
+        value = getattr(defaults, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, tuple):
+            kind = int if f.name == "induction_test_lens" else str
+            parser.add_argument(flag, nargs="+", type=kind, help=f"(default: {' '.join(map(str, value))})")
+        elif isinstance(value, dict):
+            parser.add_argument(flag, type=json.loads, help=f"JSON object of fields (default: {json.dumps(value)})")
+        else:
+            parser.add_argument(flag, type=type(value), help=f"(default: {value})")
+    args = vars(parser.parse_args(argv))
+    names = {f.name for f in fields(TasksConfig)}
+    values = TasksConfig.load(args["config"]).to_dict() if args["config"] else {}
+    if args["zoology"]:
+        values.update(ZOOLOGY)
+    values.update({k: v for k, v in args.items() if v is not None and k in names})
+    if args["equal_width"]:
+        values["equal_width"] = True
+    if args["no_progress"]:
+        values["progress"] = False
+    return TasksConfig.quick(**values) if args["quick"] else TasksConfig(**values)
+
+
+def main_tasks(argv: list[str] | None = None) -> int:
+    """``sheafgnn tasks [flags]``; returns the exit status."""
+    try:
+        config = parse_tasks_args(argv)
+        report = run_tasks(config)
+    except ValueError as err:
+        print(f"sheafgnn tasks: error: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {', '.join(str(Path(config.out_dir) / f) for f in report['files'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main_tasks())

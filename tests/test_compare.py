@@ -1,0 +1,118 @@
+"""sheafgnn compare: parameter matching, peak memory, caps, ratios, the report, a toy run end to end."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from sheafgnn.compare import (
+    CompareConfig,
+    PeakMemory,
+    main_compare,
+    markdown,
+    matched_options,
+    parse_compare_args,
+    run_compare,
+    speed_ratios,
+    sweep_one,
+)
+from sheafgnn.lm import MODEL_KINDS
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    rng = random.Random(0)
+    words = "the cat sat on a mat and the dog ran to the park while birds sang in tall green trees".split()
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 12))) + "." for _ in range(200)]
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text("\n".join(lines))
+    return str(path)
+
+
+def test_matched_options_within_ten_percent():
+    options, counts = matched_options(MODEL_KINDS, {"d_model": 64, "n_layers": 2}, 512, n_heads=2, window=32)
+    assert set(options) == set(MODEL_KINDS) and counts["sheaf"] == counts["target"]
+    for kind in MODEL_KINDS:
+        assert abs(counts[kind] - counts["target"]) / counts["target"] <= 0.1, (kind, counts)
+    assert options["local"]["window"] == 32 and "window" not in options["dense"]
+    assert options["ssm"]["d_model"] > options["sheaf"]["d_model"]  # no gluing: wider for the same count
+    with pytest.raises(ValueError, match="ssm width"):
+        matched_options(("ssm",), {"d_model": 64, "n_layers": 2}, 512, n_heads=2, window=32, tolerance=1e-6)
+
+
+def test_peak_memory_sees_an_allocation():
+    with PeakMemory() as mem:
+        x = torch.ones(50 * (1 << 20) // 4)  # 50 MiB, touched
+        del x
+    assert mem.peak_bytes > 0
+    if mem.method.startswith("VmHWM"):
+        assert 40 << 20 <= mem.extra_bytes <= 200 << 20
+    with PeakMemory() as small:
+        torch.ones(16)
+    if small.method.startswith("VmHWM"):
+        assert small.extra_bytes < 40 << 20  # the reset forgot the 50 MiB above
+
+
+def _point(n, fb, mem, skipped=False):
+    if skipped:
+        return {"n": n, "skipped": True, "reason": "over a cap at n=8192"}
+    return {"n": n, "skipped": False, "build_s": 0.1, "fwd_bwd_s": fb, "total_s": fb + 0.1,
+            "peak_rss_bytes": mem + (300 << 20), "peak_extra_bytes": mem, "memory_method": "test"}
+
+
+def test_speed_ratios_and_dense_lower_bound():
+    sweep = {"sheaf": [_point(8192, 1.0, 100), _point(16384, 2.0, 200), _point(32768, 4.0, 400)],
+             "dense": [_point(8192, 30.0, 1000), _point(16384, 100.0, 1600, skipped=True),
+                       _point(32768, 0, 0, skipped=True)]}
+    ratios = speed_ratios(sweep)
+    assert ratios["16384"]["time_ratio"] is None and ratios["16384"]["time_ratio_at_least"] == pytest.approx(15.0)
+    sweep["dense"][1] = _point(16384, 20.0, 1600)
+    ratios = speed_ratios(sweep)
+    assert ratios["16384"]["time_ratio"] == pytest.approx(10.0)
+    assert ratios["16384"]["memory_ratio"] == pytest.approx(200 / 1600)
+    assert ratios["32768"]["time_ratio"] is None
+    assert speed_ratios({"sheaf": sweep["sheaf"]}) == {}
+
+
+def test_sweep_stops_after_the_cap(corpus, tmp_path):
+    config = CompareConfig.quick(corpus=corpus, out_dir=str(tmp_path), sweep=(32, 64, 128), time_cap_s=1e-9,
+                                 isolate=False)
+    points = sweep_one(config, "dense", {"d_model": 16, "n_layers": 1, "n_heads": 2})
+    assert [p["skipped"] for p in points] == [False, True, True]
+    assert points[0]["over_cap"] == ["time"] and points[0]["fwd_bwd_s"] > 0
+    assert points[1]["reason"] == "over a cap at n=32"
+
+
+def test_parse_args():
+    config = parse_compare_args(["--quick", "--tokens", "512", "--models", "sheaf", "dense", "--sweep", "256", "64",
+                                 "--site", '{"local_window": 4}', "--in-process", "--out", "x"])
+    assert config.tokens == 512 and config.models == ("sheaf", "dense") and config.sweep == (64, 256)
+    assert config.site == {"local_window": 4} and not config.isolate and config.out_dir == "x"
+    assert config.context == 64  # from the quick preset
+    default = parse_compare_args([])
+    assert default.sweep == (1024, 2048, 4096, 8192, 16384, 32768) and default.isolate
+    with pytest.raises(ValueError, match="models must be"):
+        CompareConfig(models=("gpt",))
+    assert main_compare(["--models", "gpt"]) == 1
+
+
+def test_run_compare_quick(corpus, tmp_path):
+    config = CompareConfig.quick(corpus=corpus, out_dir=str(tmp_path), isolate=False, sweep=(32, 64), tokens=128,
+                                 num_threads=1)
+    report = run_compare(config)
+    assert set(report["training"]) == set(MODEL_KINDS) and set(report["sweep"]) == set(MODEL_KINDS)
+    for kind, r in report["training"].items():
+        assert r["tokens"] == config.tokens and r["val_bpb"] > 0 and r["train_tokens_per_s"] > 0, kind
+        assert r["infer_tokens_per_s"] > 0 and r["train_peak_rss_bytes"] > 0
+        assert abs(r["params"] - report["params"]["target"]) <= 0.1 * report["params"]["target"]
+        assert [p["n"] for p in report["sweep"][kind]] == [32, 64]
+    for name in ("compare.json", "compare.md", "training.png", "sweep.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    saved = json.loads((tmp_path / "compare.json").read_text())
+    assert saved["caps"] == {"time_cap_s": 30.0, "memory_cap_gb": 8.0}
+    text = (tmp_path / "compare.md").read_text()
+    assert "| sheaf |" in text and "Caps, the same for every model" in text and "VmHWM" in text
+    assert markdown(report).startswith("# sheafgnn compare")

@@ -1,0 +1,121 @@
+"""sheafgnn tasks: task rows as sites, retrieval on id keys, scoring, the report, a toy run end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from sheafgnn.evaltasks import (
+    TASK_SITE,
+    TasksConfig,
+    TaskSpec,
+    TaskTokenizer,
+    evaluate,
+    main_tasks,
+    parse_tasks_args,
+    run_tasks,
+    shortfalls,
+    task_options,
+    to_sites,
+)
+from sheafgnn.site import SiteConfig, build_site, validate_site
+from sheafgnn.tasks import IGNORE_INDEX, induction_heads, mqar
+
+RECALLS = ("token", "recalls", "retrieval")
+
+
+def test_task_tokenizer_sites_for_any_vocabulary():
+    site = SiteConfig.from_dict(TASK_SITE)
+    x, y = mqar(2, 64, 4, 1000, torch.Generator().manual_seed(0))  # ids up to 999: not bytes
+    batch = to_sites(x, y, site, TaskTokenizer(1000))
+    assert batch.num_graphs == 2 and torch.equal(batch["token"].x, x.flatten())
+    assert torch.equal(batch["token"].y, y.flatten())
+    for node_type in ("sentence", "syntax", "instruction", "topic", "memory"):
+        assert batch[node_type].num_nodes == 0, node_type
+    assert batch["local"].num_nodes == 2 * (64 // site.local_window) and batch["retrieval"].num_nodes > 0
+    validate_site(batch)
+    with pytest.raises(ValueError, match=r"lie in \[0, 1000\)"):
+        build_site(torch.tensor([1000]), site, tokenizer=TaskTokenizer(1000))
+
+
+def test_retrieval_links_the_answer_to_the_query():
+    """The hand-checked MQAR row of the generator's docstring, and an induction row."""
+    site = SiteConfig.from_dict(TASK_SITE)
+    x = torch.tensor([2, 8, 4, 7, 0, 0, 4, 0, 0, 0, 0, 0, 2, 0, 0, 0])  # key 4 queried at 6, key 2 at 12
+    data = build_site(x, site, tokenizer=TaskTokenizer(12))
+    src, dst = data[RECALLS].edge_index
+    retrieval_end = data["retrieval"].span[:, 1] - 1  # the position each retrieval node sits at
+    links = {(int(s), int(retrieval_end[d])) for s, d in zip(src, dst)}
+    assert (3, 6) in links  # value 7 (after key 4 at 2) -> the query of key 4 at 6
+    assert (1, 12) in links  # value 8 (after key 2 at 0) -> the query of key 2 at 12
+
+    x, y = induction_heads(1, 40, 16, torch.Generator().manual_seed(3))
+    first = int((x[0, :-1] == 15).nonzero())
+    data = build_site(x[0], site, tokenizer=TaskTokenizer(16))
+    src, dst = data[RECALLS].edge_index
+    last = (data["retrieval"].span[:, 1] - 1 == 39).nonzero().squeeze()
+    assert first + 1 in src[dst == last].tolist() and int(x[0, first + 1]) == int(y[0, -1])
+
+
+class Oracle(nn.Module):
+    """Logits that put all mass on the target (or on 0 where unscored)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def forward(self, batch):
+        y = batch["token"].y.clamp(min=0)
+        return nn.functional.one_hot(y, self.vocab_size).float()
+
+
+def test_evaluate_scores_only_scored_positions():
+    config = TasksConfig.quick()
+    spec = TaskSpec("mqar", 64, 64, (64,), lambda b, n, g: mqar(b, n, 4, 64, g))
+    site = SiteConfig.from_dict({"patch_types": []})
+    result = evaluate(Oracle(64), spec, 64, 6, config, site)
+    assert result == {"accuracy": 1.0, "scored": 6 * 4, "rows": 6}
+    wrong = Oracle(64)
+    wrong.forward = lambda batch: nn.functional.one_hot(torch.zeros_like(batch["token"].y), 64).float()
+    assert evaluate(wrong, spec, 64, 6, config, site)["accuracy"] == 0.0  # values are never id 0
+
+
+def test_task_options_and_equal_width():
+    options, counts = task_options(TasksConfig(), 512)
+    for kind in ("dense", "local", "ssm"):
+        assert abs(counts[kind] / counts["target"] - 1) <= 0.1
+    options, counts = task_options(TasksConfig(equal_width=True), 512)
+    assert {o["d_model"] for o in options.values()} == {64} and options["local"]["window"] == 64
+
+
+def test_parse_args_and_shortfalls():
+    config = parse_tasks_args(["--zoology", "--mqar-pairs", "32", "--models", "sheaf", "dense", "--induction-test-lens",
+                               "1024", "256", "--equal-width", "--out", "x"])
+    assert (config.mqar_seq_len, config.mqar_pairs, config.mqar_vocab) == (512, 32, 8192)
+    assert config.models == ("sheaf", "dense") and config.induction_test_lens == (256, 1024) and config.equal_width
+    assert parse_tasks_args(["--quick"]).steps == 2
+    assert main_tasks(["--tasks", "sorting"]) == 1
+    models = {"dense": {"accuracy": {"256": 1.0}}, "sheaf": {"accuracy": {"256": 0.995}},
+              "ssm": {"accuracy": {"256": 0.4}}}
+    report = {"tasks": {"mqar": {"test_lens": [256], "models": models}}}
+    assert shortfalls(report) == ["- MQAR: ssm 0.400 vs dense 1.000"]
+
+
+def test_run_tasks_quick(tmp_path):
+    config = TasksConfig.quick(out_dir=str(tmp_path), steps=1, num_threads=1)
+    report = run_tasks(config)
+    assert set(report["tasks"]) == {"mqar", "selective_copying", "induction_heads"}
+    for task, r in report["tasks"].items():
+        assert set(r["models"]) == {"sheaf", "dense", "local", "ssm"}
+        for kind, m in r["models"].items():
+            assert set(m["accuracy"]) == {str(n) for n in r["test_lens"]}, (task, kind)
+            assert all(0.0 <= a <= 1.0 for a in m["accuracy"].values()) and m["train_loss"] > 0
+    assert report["tasks"]["induction_heads"]["models"]["sheaf"]["scored"] == {"32": 4, "128": 2}
+    for name in ("tasks.json", "tasks.md", "induction.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert json.loads((tmp_path / "tasks.json").read_text())["config"]["steps"] == 1
+    assert "| sheaf |" in (tmp_path / "tasks.md").read_text()
+    assert IGNORE_INDEX == -100
