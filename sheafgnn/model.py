@@ -6,9 +6,9 @@ The site (C, J) comes from :mod:`sheafgnn.site`; the model reads it flat
 
     h (N, D)                                      all nodes: tokens, patches, outputs
     |- Phi  token chain:  h_tok   += SSM(norm(h_tok))          (num_tokens, D)
+    |- pool:              h_patch += W_pool mean_{cover}(h_tok) segment_csr over the cover
+    |- Phi  patch chains: h_chain += SSM(norm(h_chain))        chained types, each chain in time order
     |- read:              h_out   += h_tok                      output t reads token t
-    |- pool tokens into patches:  h += W_pool mean_{cover}(h)   segment_csr over the cover
-    |- Phi  patch chains: h_patch += SSM(norm(h_patch))        each type's chain in time order
     |- G    gluing:       h = SheafConv(h, kept candidates, gates)   learned topology
     |- E    experts:      h += PatchExperts(norm(h))           routed by node type
     '- broadcast:         h_tok += W_out h_out                  output t -> token t
@@ -35,7 +35,7 @@ from sheafgnn.nn.sheaf import SheafConv
 from sheafgnn.nn.ssm import SelectiveSSM
 from sheafgnn.nn.topology import TopologyScorer
 from sheafgnn.site.builder import build_site
-from sheafgnn.site.flat import FlatSite, flatten_site
+from sheafgnn.site.flat import FLAT_TYPES, FlatSite, flatten_site
 from sheafgnn.site.schema import CANDIDATE_EDGES, NODE_TYPES, SiteConfig
 
 
@@ -89,7 +89,7 @@ class SheafBlock(nn.Module):
         self.norm_token = nn.LayerNorm(D)
         self.phi_token = SelectiveSSM(D, **ssm_args)
         self.norm_expert = nn.LayerNorm(D)
-        num_types = len(NODE_TYPES) if config.gluing else 1
+        num_types = len(FLAT_TYPES) if config.gluing else 1
         self.experts = PatchExperts(D, num_types, config.expert_mult * D, config.num_experts)
         if not config.gluing:
             return
@@ -101,30 +101,28 @@ class SheafBlock(nn.Module):
         self.broadcast = nn.Linear(D, D, bias=False)
 
     def forward(self, h: Tensor, site: FlatSite) -> tuple[Tensor, dict[str, Tensor]]:
-        p = site.type_ptr
-        tok = slice(0, p[1])
+        tok, patches, chained, out = site.tokens, site.patches, site.chained, site.outputs
         h_tok = h[tok] + self.phi_token(self.norm_token(h[tok]), site.token_reset)  # (num_tokens, D)
         if not self.gluing:
-            out, balance = self.experts(self.norm_expert(h_tok), [0, p[1]])
-            return h_tok + out, {"balance": balance}
+            update, balance = self.experts(self.norm_expert(h_tok), [0, h_tok.size(0)])
+            return h_tok + update, {"balance": balance}
+        # Pool: each patch gets the mean of the token states it covers.
+        pooled = segment_mean(h_tok[site.cover_src], site.cover_ptr)  # (num_patches, D)
+        h_patch = h[patches] + self.pool(pooled)
+        num_chained = chained.stop - chained.start
+        h_chain = h_patch[:num_chained]  # (num_chained, D): Phi along each chain
+        h_chain = h_chain + self.phi_patch(self.norm_patch(h_chain), site.chain_reset)
         # Output t reads token t: its state starts from the token's (the 'token reads output' edge).
-        h = torch.cat([h_tok, h[p[1] : p[-2]], h[p[-2] :] + h_tok])  # (N, D)
-        pooled = segment_mean(h[site.cover_src], site.cover_ptr)  # (N, D), zero where nothing is covered
-        h = h + self.pool(pooled)
-        patches = slice(p[1], p[-2])
-        h_patch = h[patches] + self.phi_patch(self.norm_patch(h[patches]), site.patch_reset)
-        h = torch.cat([h[tok], h_patch, h[p[-2]:]])
+        h = torch.cat([h_tok, h_chain, h_patch[num_chained:], h[out] + h_tok])  # (N, D)
 
         gate, keep = self.topology(h, site.glue_index, site.glue_type)  # (E,), (E,)
         kept_index = site.glue_index[:, keep]  # still sorted by destination
-        kept_gate = gate[keep]
         kept_ptr = ptr_from_index(kept_index[1], site.num_nodes)
-        h, energy = self.glue(h, kept_index, site.glue_type[keep], kept_gate, return_energy=True, ptr=kept_ptr)
+        h, energy = self.glue(h, kept_index, site.glue_type[keep], gate[keep], return_energy=True, ptr=kept_ptr)
 
-        out, balance = self.experts(self.norm_expert(h), p)
-        h = h + out
-        h_tok = h[tok] + self.broadcast(h[p[-2]:])  # output t -> token t
-        h = torch.cat([h_tok, h[p[1]:]])
+        update, balance = self.experts(self.norm_expert(h), site.type_ptr)
+        h = h + update
+        h = torch.cat([h[tok] + self.broadcast(h[out]), h[tok.stop :]])  # broadcast: output t -> token t
         return h, {"balance": balance, "gate": gate, "keep": keep, "energy": energy}
 
 
@@ -145,7 +143,7 @@ class SheafStateLM(nn.Module):
         self.config = config
         D = config.d_model
         self.token_embedding = nn.Embedding(config.vocab_size, D)
-        self.type_embedding = nn.Embedding(len(NODE_TYPES), D)
+        self.type_embedding = nn.Embedding(len(FLAT_TYPES), D)  # indexed in the flat order
         self.register_embedding = nn.Embedding(config.site_config.workspace_registers, D)
         self.topic_embedding = nn.Embedding(config.num_topics, D)
         self.blocks = nn.ModuleList(SheafBlock(config) for _ in range(config.n_layers))
