@@ -56,8 +56,13 @@ def _demo(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     _site_demo(out, args.context, args.tokens)
     print("\ntraining the sheaf model and the dense baseline on the same data, then comparing ...")
-    compare_args = ["--out", str(out / "compare"), "--models", "sheaf", "dense", *args.compare_args]
-    return main_compare(compare_args)
+    # A few minutes on 2 CPU cores; later flags (the user's) override these.
+    compare_args = ["--out", str(out / "compare"), "--models", "sheaf", "dense", "--tokens", "65536",
+                    "--sweep", "1024", "2048", "4096", "8192", *args.compare_args]
+    status = main_compare(compare_args)
+    if status == 0:
+        print("\n" + (out / "compare" / "compare.md").read_text())
+    return status
 
 
 def load_model(path: str | Path):

@@ -66,7 +66,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -652,10 +652,6 @@ def write_report(report: dict, out: Path) -> list[str]:
 # ---------------------------------------------------------------------------
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def parse_compare_args(argv: list[str] | None = None) -> CompareConfig:
     """``sheafgnn compare`` flags -> a :class:`CompareConfig` (``--quick`` starts from the toy preset)."""
     parser = argparse.ArgumentParser(prog="sheafgnn compare", description="sheaf vs dense, local and ssm at equal "
@@ -666,21 +662,11 @@ def parse_compare_args(argv: list[str] | None = None) -> CompareConfig:
                         "one each (faster start; peak memory is still reset per phase)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--config", help="a CompareConfig as YAML, TOML or JSON (flags override it)")
-    defaults = CompareConfig()
-    for f in fields(CompareConfig):
-        if f.name in ("out_dir", "isolate", "progress"):
-            continue
-        value = getattr(defaults, f.name)
-        if isinstance(value, tuple):
-            kind = int if f.name == "sweep" else str
-            parser.add_argument(_flag(f.name), nargs="+", type=kind, help=f"(default: {' '.join(map(str, value))})")
-        elif isinstance(value, dict):
-            parser.add_argument(_flag(f.name), type=json.loads, help=f"JSON object of fields (default: {value})")
-        else:
-            parser.add_argument(_flag(f.name), type=type(value), help=f"(default: {value})")
-    args = vars(parser.parse_args(argv))
+    CompareConfig.add_arguments(parser, skip=("out_dir", "isolate", "progress"))
+    namespace = parser.parse_args(argv)
+    args = vars(namespace)
     base = CompareConfig.load(args["config"]).to_dict() if args["config"] else {}
-    values = {k: v for k, v in args.items() if v is not None and k in {f.name for f in fields(CompareConfig)}}
+    values = CompareConfig.given_values(namespace)
     if args["in_process"]:
         values["isolate"] = False
     if args["no_progress"]:

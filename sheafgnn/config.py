@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import tomllib
@@ -42,9 +43,41 @@ class ConfigFile:
             raise ValueError(f"{cls.__name__}.load: {path} must hold a mapping of fields")
         return cls.from_dict(values or {})
 
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+        """One flag per field (``--field-name``) with default None, so that the flags given can be told apart."""
+        defaults = cls()
+        for f in fields(cls):
+            if f.name in skip:
+                continue
+            value, flag = getattr(defaults, f.name), "--" + f.name.replace("_", "-")
+            if isinstance(value, tuple):
+                kind = type(value[0]) if value else str
+                parser.add_argument(flag, nargs="+", type=kind, help=f"(default: {' '.join(map(str, value))})")
+            elif isinstance(value, dict):
+                parser.add_argument(flag, type=json.loads, help=f"JSON object of fields (default: {json.dumps(value)})")
+            elif isinstance(value, bool):
+                parser.add_argument(flag, type=_parse_bool, help=f"true or false (default: {value})")
+            else:
+                parser.add_argument(flag, type=type(value) if value is not None else str, help=f"(default: {value})")
+
+    @classmethod
+    def given_values(cls, args: argparse.Namespace) -> dict:
+        """The fields that :meth:`add_arguments` flags set on the command line."""
+        names = {f.name for f in fields(cls)}
+        return {k: v for k, v in vars(args).items() if v is not None and k in names}
+
     def save(self, path: str | os.PathLike) -> None:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
 
     def __str__(self) -> str:
         rows = [f"  {f.name:<20}{getattr(self, f.name)!r}" for f in fields(self)]
         return f"{type(self).__name__}(\n" + "\n".join(rows) + "\n)"
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")

@@ -490,25 +490,13 @@ def parse_tasks_args(argv: list[str] | None = None) -> TasksConfig:
                         "the baselines' parameters to the sheaf model")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--config", help="a TasksConfig as YAML, TOML or JSON (flags override it)")
-    defaults = TasksConfig()
-    for f in fields(TasksConfig):
-        if f.name in ("out_dir", "equal_width", "progress"):
-            continue
-        value = getattr(defaults, f.name)
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(value, tuple):
-            kind = int if f.name == "induction_test_lens" else str
-            parser.add_argument(flag, nargs="+", type=kind, help=f"(default: {' '.join(map(str, value))})")
-        elif isinstance(value, dict):
-            parser.add_argument(flag, type=json.loads, help=f"JSON object of fields (default: {json.dumps(value)})")
-        else:
-            parser.add_argument(flag, type=type(value), help=f"(default: {value})")
-    args = vars(parser.parse_args(argv))
-    names = {f.name for f in fields(TasksConfig)}
+    TasksConfig.add_arguments(parser, skip=("out_dir", "equal_width", "progress"))
+    namespace = parser.parse_args(argv)
+    args = vars(namespace)
     values = TasksConfig.load(args["config"]).to_dict() if args["config"] else {}
     if args["zoology"]:
         values.update(ZOOLOGY)
-    values.update({k: v for k, v in args.items() if v is not None and k in names})
+    values.update(TasksConfig.given_values(namespace))
     if args["equal_width"]:
         values["equal_width"] = True
     if args["no_progress"]:

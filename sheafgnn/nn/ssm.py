@@ -109,6 +109,49 @@ def _linear_scan(g: Tensor, s: Tensor) -> Tensor:
     return h[:T]
 
 
+class _IntraChunk(torch.autograd.Function):
+    r"""Intra-chunk SSD term ``y = (CB * exp(seg)) @ xdt`` with
+    ``seg_ij = a_cum_i - a_cum_j`` where ``keep`` and ``-inf`` elsewhere.
+
+    Fused forward/backward: the (T, H, Q, Q) decay matrix is built in place and
+    rebuilt in backward from the small inputs instead of being stored (as the
+    Mamba-2 kernels do), so no (T, H, Q, Q) tensor is saved for backward. With
+    ``M = CB * exp(seg)``: ``dseg = dM * M``, ``dCB = sum_h dM * exp(seg)``.
+
+    Shapes:
+        - **input:** CB (T, Q, Q), a_cum (T, H, Q), keep (T, Q, Q) bool,
+          xdt (T, H, Q, P)
+        - **output:** y (T, H, Q, P)
+    """
+
+    @staticmethod
+    def _decay(a_cum: Tensor, keep: Tensor) -> Tensor:
+        E = a_cum.unsqueeze(-1) - a_cum.unsqueeze(-2)  # (T, H, Q, Q)
+        E.masked_fill_(~keep.unsqueeze(1), -math.inf)
+        return E.exp_()  # (T, H, Q, Q): 0 where masked
+
+    @staticmethod
+    def forward(ctx, CB: Tensor, a_cum: Tensor, keep: Tensor, xdt: Tensor) -> Tensor:
+        M = _IntraChunk._decay(a_cum, keep).mul_(CB.unsqueeze(1))  # (T, H, Q, Q)
+        ctx.save_for_backward(CB, a_cum, keep, xdt)
+        return M @ xdt  # (T, H, Q, P)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gy: Tensor):
+        CB, a_cum, keep, xdt = ctx.saved_tensors
+        E = _IntraChunk._decay(a_cum, keep)  # (T, H, Q, Q)
+        dM = gy @ xdt.transpose(-1, -2)  # (T, H, Q, Q)
+        dCB = (dM * E).sum(dim=1) if ctx.needs_input_grad[0] else None  # (T, Q, Q)
+        M = E.mul_(CB.unsqueeze(1))  # (T, H, Q, Q)
+        dxdt = M.transpose(-1, -2) @ gy if ctx.needs_input_grad[3] else None  # (T, H, Q, P)
+        da = None
+        if ctx.needs_input_grad[1]:
+            dseg = dM.mul_(M)  # (T, H, Q, Q): zero where masked
+            da = dseg.sum(dim=-1) - dseg.sum(dim=-2)  # (T, H, Q)
+        return dCB, da, None, dxdt
+
+
 def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
              reset: Tensor | None = None, chunk_size: int = 64,
              return_final_state: bool = False) -> Tensor | tuple[Tensor, Tensor]:
@@ -182,10 +225,8 @@ def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
     #    masked entries are set to -inf BEFORE exp, so no inf reaches autograd.
     causal = torch.ones(Q, Q, dtype=torch.bool, device=x.device).tril()  # (Q, Q)
     keep = (chain.unsqueeze(2) == chain.unsqueeze(1)) & causal  # (T, Q, Q)
-    seg = a_cum.unsqueeze(-1) - a_cum.unsqueeze(-2)  # (T, H, Q, Q)
-    seg = seg.masked_fill(~keep.unsqueeze(1), -math.inf)  # (T, H, Q, Q)
-    CB = Cc @ Bc.transpose(-1, -2)  # (T, 1, Q, Q)
-    y = (CB * torch.exp(seg)) @ xdt  # (T, H, Q, P)
+    CB = C.view(T, Q, N) @ B.view(T, Q, N).transpose(-1, -2)  # (T, Q, Q), shared by heads
+    y = _IntraChunk.apply(CB, a_cum, keep, xdt)  # (T, H, Q, P)
 
     # 2. chunk states: what each chunk leaves behind for the chain it ends in
     in_last = chain == chain[:, -1:]  # (T, Q): no chain start in (j, Q-1]
@@ -369,15 +410,21 @@ class SelectiveSSM(nn.Module):
             - **output:** (L, conv_dim)
         """
         K = self.d_conv
-        w = self.conv_weight.t().contiguous()  # (K, conv_dim): w[K-1] taps position t
-        chain = starts.long().cumsum(0)  # (L,)
-        out = torch.addcmul(self.conv_bias, xBC, w[K - 1])  # (L, conv_dim)
-        for j in range(1, K):  # tap j reads position t - j, if still in t's chain
-            prev = F.pad(xBC, (0, 0, j, 0))[: xBC.size(0)]  # (L, conv_dim)
-            prev_chain = F.pad(chain, (j, 0), value=-1)[: chain.size(0)]  # (L,)
-            valid = (prev_chain == chain).to(xBC.dtype).unsqueeze(-1)  # (L, 1)
-            out = out + prev * (valid * w[K - 1 - j])  # (L, conv_dim)
-        return out
+        L = xBC.size(0)
+        if K == 1 or L == 0:
+            return torch.addcmul(self.conv_bias, xBC, self.conv_weight[:, 0])  # (L, conv_dim)
+        # Lay the chains out with K-1 zero rows before each chain start, so every
+        # tap is a plain shifted slice (a view) and never reads another chain.
+        chain = starts.long().cumsum(0)  # (L,): 1 for the first chain
+        pos = torch.arange(L, device=xBC.device) + (K - 1) * chain  # (L,)
+        Lp = L + (K - 1) * int(chain[-1])
+        xp = xBC.new_zeros(Lp, xBC.size(1)).index_copy(0, pos, xBC)  # (Lp, conv_dim)
+        w = self.conv_weight  # (conv_dim, K): w[:, K-1] taps position t
+        n = Lp - K + 1
+        out = torch.addcmul(self.conv_bias, xp[K - 1:], w[:, K - 1])  # (n, conv_dim)
+        for j in range(1, K):  # tap j reads position t - j
+            out = torch.addcmul(out, xp[K - 1 - j:K - 1 - j + n], w[:, K - 1 - j])
+        return out.index_select(0, pos - (K - 1))  # (L, conv_dim)
 
     def _conv_tail(self, xBC: Tensor, starts: Tensor) -> Tensor:
         """The last ``d_conv - 1`` conv inputs of the last chain, zero-padded.
