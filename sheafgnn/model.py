@@ -34,7 +34,7 @@ from sheafgnn.nn.segment import ptr_from_index, segment_mean
 from sheafgnn.nn.sheaf import SheafConv
 from sheafgnn.nn.ssm import SelectiveSSM
 from sheafgnn.nn.topology import TopologyScorer
-from sheafgnn.site.builder import build_site
+from sheafgnn.site.builder import build_site, validate_site
 from sheafgnn.site.flat import FLAT_TYPES, FlatSite, flatten_site
 from sheafgnn.site.schema import CANDIDATE_EDGES, NODE_TYPES, SiteConfig
 
@@ -59,6 +59,7 @@ class SheafStateConfig(ConfigFile):
     balance_weight: float = 1e-2  # weight of the experts' load-balancing loss
     num_topics: int = 64  # topic ids embedded (ids wrap modulo this)
     gluing: bool = True  # False: Phi + token feed-forward only (the ssm ablation)
+    validate_sites: bool = True  # run validate_site (schema + causality) on every input; O(edges)
     site: dict = field(default_factory=dict)  # SiteConfig fields for build_site
     quant: dict = field(default_factory=dict)  # QuantVect {maps, experts, map_values}: none|int8|int4|ternary
 
@@ -168,6 +169,11 @@ class SheafStateLM(nn.Module):
         if x.dtype != torch.long or x.dim() != 1:
             raise ValueError(f"SheafStateLM: token ids must be a 1-D LongTensor "
                              f"(got {x.dtype}, shape {tuple(x.shape)})")
+        if self.config.validate_sites:
+            try:
+                validate_site(data)
+            except ValueError as err:
+                raise ValueError(f"SheafStateLM: the input is not a valid causal site: {err}") from None
 
     def _embed(self, data: HeteroData, site: FlatSite) -> Tensor:
         p = site.type_ptr

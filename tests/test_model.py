@@ -47,8 +47,8 @@ def test_causal_end_to_end(text, map_kind, full_config):
 
 
 def test_perturbation_test_can_fail(full_config):
-    """The causality check above detects a leak when one is planted."""
-    model = SheafStateLM(_config(full_config)).eval()
+    """The causality check above detects a leak when one is planted (and validation is off)."""
+    model = SheafStateLM(_config(full_config, validate_sites=False)).eval()
     site_config = model.config.site_config
     raw = PROSE.encode()
     t = 60
@@ -177,6 +177,10 @@ def test_bad_input(full_config):
         small(big)
     with pytest.raises(ValueError, match="no targets"):
         model.loss(build_site(PROSE))
+    leaky = build_site(PROSE)
+    leaky["local", "next", "local"].edge_index = leaky["local", "next", "local"].edge_index.flip(0)
+    with pytest.raises(ValueError, match=r"not a valid causal site: .*'local', 'next', 'local'\) is not causal"):
+        model(leaky)
 
 
 def test_config_round_trip(tmp_path, full_config):
