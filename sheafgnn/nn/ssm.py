@@ -109,9 +109,85 @@ def _linear_scan(g: Tensor, s: Tensor) -> Tensor:
     return h[:T]
 
 
+class _ShiftConv(torch.autograd.Function):
+    r"""Depthwise causal conv over rows: ``out[r] = b + sum_k w[:, k] xp[r + k]``.
+
+    Fused taps (in-place accumulation) with a hand-written backward, so no
+    per-tap temporaries are made or saved; only ``xp`` and ``w`` are kept.
+
+    Shapes:
+        - **input:** xp (n + K - 1, C), w (C, K), b (C,)
+        - **output:** (n, C)
+    """
+
+    @staticmethod
+    def forward(ctx, xp: Tensor, w: Tensor, b: Tensor) -> Tensor:
+        K = w.size(1)
+        n = xp.size(0) - K + 1
+        out = torch.addcmul(b, xp[:n], w[:, 0])  # (n, C)
+        for k in range(1, K):
+            out.addcmul_(xp[k:k + n], w[:, k])
+        ctx.save_for_backward(xp, w)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g: Tensor):
+        xp, w = ctx.saved_tensors
+        K = w.size(1)
+        n = g.size(0)
+        dxp = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dxp = g.new_zeros(xp.shape)  # (n + K - 1, C)
+            for k in range(K):
+                dxp[k:k + n].addcmul_(g, w[:, k])
+        if ctx.needs_input_grad[1]:
+            dw = torch.stack([(g * xp[k:k + n]).sum(0) for k in range(K)], dim=1)  # (C, K)
+        if ctx.needs_input_grad[2]:
+            db = g.sum(0)  # (C,)
+        return dxp, dw, db
+
+
+class _GatedRMSNorm(torch.autograd.Function):
+    r"""``RMSNorm(y * SiLU(z)) * weight`` in one op (the gated norm of Mamba-2).
+
+    Saves only ``y``, ``z`` and the per-row ``1/rms``; the gate and the
+    normalised rows are rebuilt in backward instead of being stored.
+
+    Shapes:
+        - **input:** y (L, C), z (L, C), weight (C,)
+        - **output:** (L, C)
+    """
+
+    @staticmethod
+    def forward(ctx, y: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
+        g = F.silu(z).mul_(y)  # (L, C)
+        rstd = torch.rsqrt(g.square().mean(dim=-1, keepdim=True).add_(eps))  # (L, 1)
+        ctx.save_for_backward(y, z, weight, rstd)
+        return g.mul_(rstd).mul_(weight)  # (L, C)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, go: Tensor):
+        y, z, weight, rstd = ctx.saved_tensors
+        sig = torch.sigmoid(z)  # (L, C)
+        s = z * sig  # (L, C): SiLU(z)
+        n = (y * s).mul_(rstd)  # (L, C): normalised rows
+        dw = (go * n).sum(dim=0) if ctx.needs_input_grad[2] else None  # (C,)
+        gw = go * weight  # (L, C)
+        dot = (gw * n).mean(dim=-1, keepdim=True)  # (L, 1)
+        dg = gw.sub_(n.mul_(dot)).mul_(rstd)  # (L, C): d(y * SiLU(z))
+        dy = dg * s if ctx.needs_input_grad[0] else None  # (L, C)
+        dz = None
+        if ctx.needs_input_grad[1]:  # SiLU'(z) = sig (1 + z (1 - sig))
+            dz = dg.mul_(y).mul_(sig.mul_(1.0 + z * (1.0 - sig)))  # (L, C)
+        return dy, dz, dw, None
+
+
 class _IntraChunk(torch.autograd.Function):
     r"""Intra-chunk SSD term ``y = (CB * exp(seg)) @ xdt`` with
-    ``seg_ij = a_cum_i - a_cum_j`` where ``keep`` and ``-inf`` elsewhere.
+    ``seg_ij = a_cum_i - a_cum_j`` where ``keep`` and ``-inf`` elsewhere
+    (computed as ``(CB * keep) * exp(where(keep, seg, 0))``).
 
     Fused forward/backward: the (T, H, Q, Q) decay matrix is built in place and
     rebuilt in backward from the small inputs instead of being stored (as the
@@ -126,24 +202,29 @@ class _IntraChunk(torch.autograd.Function):
 
     @staticmethod
     def _decay(a_cum: Tensor, keep: Tensor) -> Tensor:
+        # Masked entries get seg = 0 (exp = 1) and are zeroed by the masked CB;
+        # exp(-inf) and exp(+large) take a slow path on CPU, exp(0) does not.
         E = a_cum.unsqueeze(-1) - a_cum.unsqueeze(-2)  # (T, H, Q, Q)
-        E.masked_fill_(~keep.unsqueeze(1), -math.inf)
-        return E.exp_()  # (T, H, Q, Q): 0 where masked
+        E.masked_fill_(~keep.unsqueeze(1), 0.0)
+        return E.exp_()  # (T, H, Q, Q): 1 where masked
 
     @staticmethod
     def forward(ctx, CB: Tensor, a_cum: Tensor, keep: Tensor, xdt: Tensor) -> Tensor:
-        M = _IntraChunk._decay(a_cum, keep).mul_(CB.unsqueeze(1))  # (T, H, Q, Q)
-        ctx.save_for_backward(CB, a_cum, keep, xdt)
+        CBm = CB * keep  # (T, Q, Q): zero outside the causal same-chain mask
+        M = _IntraChunk._decay(a_cum, keep).mul_(CBm.unsqueeze(1))  # (T, H, Q, Q)
+        ctx.save_for_backward(CBm, a_cum, keep, xdt)
         return M @ xdt  # (T, H, Q, P)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, gy: Tensor):
-        CB, a_cum, keep, xdt = ctx.saved_tensors
+        CBm, a_cum, keep, xdt = ctx.saved_tensors
         E = _IntraChunk._decay(a_cum, keep)  # (T, H, Q, Q)
         dM = gy @ xdt.transpose(-1, -2)  # (T, H, Q, Q)
-        dCB = (dM * E).sum(dim=1) if ctx.needs_input_grad[0] else None  # (T, Q, Q)
-        M = E.mul_(CB.unsqueeze(1))  # (T, H, Q, Q)
+        dCB = None
+        if ctx.needs_input_grad[0]:
+            dCB = (dM * E).sum(dim=1).mul_(keep)  # (T, Q, Q)
+        M = E.mul_(CBm.unsqueeze(1))  # (T, H, Q, Q): zero where masked
         dxdt = M.transpose(-1, -2) @ gy if ctx.needs_input_grad[3] else None  # (T, H, Q, P)
         da = None
         if ctx.needs_input_grad[1]:
@@ -212,7 +293,7 @@ def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
         C = F.pad(C, (0, 0, 0, pad))  # (T*Q, N)
         starts = F.pad(starts, (0, pad))  # (T*Q,)
 
-    xdt = (x * dt.unsqueeze(-1)).view(T, Q, H, P).transpose(1, 2)  # (T, H, Q, P)
+    xdt = (x * dt.unsqueeze(-1)).view(T, Q, H, P).transpose(1, 2).contiguous()  # (T, H, Q, P)
     Bc = B.view(T, 1, Q, N)  # (T, 1, Q, N)
     Cc = C.view(T, 1, Q, N)  # (T, 1, Q, N)
     startc = starts.view(T, Q)  # (T, Q)
@@ -232,7 +313,8 @@ def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
     in_last = chain == chain[:, -1:]  # (T, Q): no chain start in (j, Q-1]
     to_end = a_cum[..., -1:] - a_cum  # (T, H, Q): a_{j+1} + ... + a_{Q-1}
     to_end = to_end.masked_fill(~in_last.unsqueeze(1), -math.inf)  # (T, H, Q)
-    S = (xdt * torch.exp(to_end).unsqueeze(-1)).transpose(-1, -2) @ Bc  # (T, H, P, N)
+    # weight B (N wide) rather than xdt (P wide): a smaller tensor to make and save
+    S = xdt.transpose(-1, -2) @ (torch.exp(to_end).unsqueeze(-1) * Bc)  # (T, H, P, N)
 
     # 3. pass states between chunks: h_end[c] = g[c] h_end[c-1] + S[c]
     g = torch.exp(a_cum[..., -1])  # (T, H): decay over a whole chunk
@@ -243,8 +325,9 @@ def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
     # 4. inter-chunk: y_i += exp(a_{0..i}) h_start C_i, until the first chain start
     open_chain = chain == 0  # (T, Q): no chain start in [0, i]
     from_start = a_cum.masked_fill(~open_chain.unsqueeze(1), -math.inf)  # (T, H, Q)
-    y_off = Cc @ h_start.transpose(-1, -2)  # (T, H, Q, P)
-    y = y + y_off * torch.exp(from_start).unsqueeze(-1)  # (T, H, Q, P)
+    Cw = torch.exp(from_start).unsqueeze(-1) * Cc  # (T, H, Q, N): decay folded into C
+    y = torch.baddbmm(y.view(T * H, Q, P), Cw.view(T * H, Q, N),
+                      h_start.view(T * H, P, N).transpose(-1, -2)).view(T, H, Q, P)
 
     y = y.transpose(1, 2).reshape(T * Q, H, P)[:L].to(out_dtype)  # (L, H, P)
     if return_final_state:
@@ -419,11 +502,7 @@ class SelectiveSSM(nn.Module):
         pos = torch.arange(L, device=xBC.device) + (K - 1) * chain  # (L,)
         Lp = L + (K - 1) * int(chain[-1])
         xp = xBC.new_zeros(Lp, xBC.size(1)).index_copy(0, pos, xBC)  # (Lp, conv_dim)
-        w = self.conv_weight  # (conv_dim, K): w[:, K-1] taps position t
-        n = Lp - K + 1
-        out = torch.addcmul(self.conv_bias, xp[K - 1:], w[:, K - 1])  # (n, conv_dim)
-        for j in range(1, K):  # tap j reads position t - j
-            out = torch.addcmul(out, xp[K - 1 - j:K - 1 - j + n], w[:, K - 1 - j])
+        out = _ShiftConv.apply(xp, self.conv_weight, self.conv_bias)  # (Lp - K + 1, conv_dim)
         return out.index_select(0, pos - (K - 1))  # (L, conv_dim)
 
     def _conv_tail(self, xBC: Tensor, starts: Tensor) -> Tensor:
@@ -441,7 +520,11 @@ class SelectiveSSM(nn.Module):
         return torch.where(keep, tail, 0.0).unsqueeze(0)  # (1, K-1, conv_dim)
 
     def _gate_out(self, y: Tensor, z: Tensor) -> Tensor:
-        return self.out_proj(self.norm(y * F.silu(z)))
+        norm = self.norm
+        if norm.weight is None or y.dtype != norm.weight.dtype:
+            return self.out_proj(norm(y * F.silu(z)))
+        eps = torch.finfo(y.dtype).eps if norm.eps is None else norm.eps
+        return self.out_proj(_GatedRMSNorm.apply(y, z, norm.weight, eps))
 
     def forward(self, x: Tensor, reset: Tensor | None = None,
                 return_state: bool = False) -> Tensor | tuple[Tensor, SSMState]:
