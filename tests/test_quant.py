@@ -274,11 +274,17 @@ def test_load_rejects_bad_files(tmp_path, full_config):
 
 
 def test_causal_with_quantisation(full_config):
-    """Logits at positions <= t do not depend on text after t, with maps and experts quantised."""
+    """Logits at positions <= t do not depend on text after t, with maps and experts quantised.
+
+    In float64: rounding to int4 turns a last-bit difference between two BLAS
+    kernels (chosen by the number of rows) into a whole quantisation step, so
+    float32 would flag rounding noise as a leak now and then; float64 makes
+    that noise ~1e-16 and a flipped rounding vanishingly rare.
+    """
     torch.manual_seed(0)
     config = _config(full_config, map_kind="general", num_experts=2,
                      quant={"maps": "int4", "experts": "int8", "map_values": "int4"})
-    model = SheafStateLM(config)
+    model = SheafStateLM(config).double()
     raw = PROSE.encode()
     rng = random.Random(1)
     suffixes = [b" The end. (x) ###\n", b"\n\n    fish cat\nQ: why?\n", b"))]]\"\" the cat sat."]
