@@ -9,7 +9,7 @@
    the pure-PyTorch fallback.
 
 Peak memory is the peak resident set of the process during the step minus
-the resident set before it (see :class:`sheafgnn.compare.PeakMemory`); the
+the resident set before it (see :class:`sheafgnn.memory.PeakMemory`); the
 site is built before the step and is not timed.
 
 Usage::
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from sheafgnn.compare import PeakMemory
 from sheafgnn.data import corpus_text
+from sheafgnn.memory import PeakMemory
 from sheafgnn.model import SheafStateConfig, SheafStateLM
 from sheafgnn.nn.segment import HAS_TORCH_SCATTER, segment_sum, sort_by_destination, use_backend
 from sheafgnn.nn.sheaf import SheafConv
