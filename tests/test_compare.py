@@ -10,7 +10,6 @@ import torch
 
 from sheafgnn.compare import (
     CompareConfig,
-    PeakMemory,
     main_compare,
     markdown,
     matched_options,
@@ -20,6 +19,7 @@ from sheafgnn.compare import (
     sweep_one,
 )
 from sheafgnn.lm import MODEL_KINDS
+from sheafgnn.memory import PeakMemory
 
 
 @pytest.fixture(scope="module")
