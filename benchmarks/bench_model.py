@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from sheafgnn.data import corpus_text
-from sheafgnn.memory import PeakMemory
+from sheafgnn.memory import PeakMemory, keep_freed_memory
 from sheafgnn.model import SheafStateConfig, SheafStateLM
 from sheafgnn.nn.segment import HAS_TORCH_SCATTER, segment_sum, sort_by_destination, use_backend
 from sheafgnn.nn.sheaf import SheafConv
@@ -143,7 +143,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: 2)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    allocator_tuned = keep_freed_memory()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     config = SheafStateConfig(d_model=args.d_model, n_layers=args.layers)
@@ -165,7 +168,8 @@ def main() -> None:
     print("  " + ", ".join(f"{k} {v:.3f}" for k, v in seg.items() if k.endswith("_s") or k.startswith("fallback")))
 
     result = {"machine": {"platform": platform.platform(), "threads": torch.get_num_threads(),
-                          "torch": torch.__version__, "torch_scatter": HAS_TORCH_SCATTER},
+                          "allocator_tuned": allocator_tuned, "torch": torch.__version__,
+                          "torch_scatter": HAS_TORCH_SCATTER},
               "config": config.to_dict(), "model": rows, "slopes_4k_up": slopes,
               "targets": {"slope_time_met": slopes["time"] <= 1.1, "slope_memory_met": slopes["memory"] <= 1.1,
                           "sheafconv_diag_within_2x": conv["ratio_diag"] <= 2.0},

@@ -54,7 +54,7 @@ from tqdm import tqdm
 from sheafgnn.baselines import TransformerConfig, count_parameters, match_width
 from sheafgnn.config import ConfigFile
 from sheafgnn.lm import MODEL_KINDS, build_model
-from sheafgnn.memory import PeakMemory
+from sheafgnn.memory import PeakMemory, keep_freed_memory
 
 SWEEP = (1024, 2048, 4096, 8192, 16384, 32768)
 RATIO_AT = (16384, 32768)  # context lengths of the sheaf vs dense speed ratios
@@ -343,6 +343,7 @@ def sweep_one(config: CompareConfig, kind: str, options: dict) -> list[dict]:
     device = _device(config)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
+    keep_freed_memory()  # every model alike: speed only (sheafgnn.memory)
     site_config = SiteConfig.from_dict(_site_of(kind, config))
     ids = _sweep_ids(config, max(config.sweep))
     torch.manual_seed(config.seed)

@@ -69,6 +69,7 @@ from tqdm import tqdm
 from sheafgnn.compare import count_model_parameters, matched_options, print_parameter_counts
 from sheafgnn.config import ConfigFile
 from sheafgnn.lm import MODEL_KINDS, build_model
+from sheafgnn.memory import keep_freed_memory
 from sheafgnn.site import SiteConfig, build_site
 from sheafgnn.tasks import IGNORE_INDEX, induction_heads, mqar, selective_copying
 
@@ -353,6 +354,7 @@ def run_tasks(config: TasksConfig) -> dict:
     print(config)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
+    keep_freed_memory()  # every model alike: speed only (sheafgnn.memory)
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()

@@ -101,3 +101,21 @@ class PeakMemory:
     def as_dict(self, prefix: str = "") -> dict:
         return {f"{prefix}peak_rss_bytes" if self.device.type == "cpu" else f"{prefix}peak_bytes": self.peak_bytes,
                 f"{prefix}peak_extra_bytes": self.extra_bytes}
+
+
+def keep_freed_memory() -> bool:
+    """Tune glibc's allocator for training on the CPU; returns False where it is not glibc.
+
+    By default glibc serves every allocation above 32 MiB with a fresh ``mmap``
+    and unmaps it on free, so each large activation of a long context pays
+    its page faults again on every step (at 64k tokens this more than doubled
+    the step time here). Raising the mmap and trim thresholds keeps freed
+    memory in the heap for reuse, as a caching allocator does. It changes
+    speed only, not results or peak memory (:class:`PeakMemory` trims first).
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        m_trim_threshold, m_mmap_threshold = -1, -3  # mallopt parameters from <malloc.h>
+        return bool(libc.mallopt(m_mmap_threshold, 1 << 30) and libc.mallopt(m_trim_threshold, 1 << 34))
+    except (OSError, AttributeError):
+        return False

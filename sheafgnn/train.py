@@ -43,6 +43,7 @@ from sheafgnn import checkpoint as ckpt
 from sheafgnn.config import ConfigFile
 from sheafgnn.data import KINDS, WindowDataset, corpus_text
 from sheafgnn.lm import MODEL_KINDS, build_model, config_dict
+from sheafgnn.memory import keep_freed_memory
 from sheafgnn.site import BPETokenizer, ByteTokenizer, SiteBuilder, SiteConfig
 
 HELD_OUT = 0.1  # share of a text-file corpus (its end) held out for validation
@@ -282,6 +283,7 @@ def _process_settings(config: TrainConfig):
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
+    keep_freed_memory()  # allocator setting: speed only (sheafgnn.memory)
     if config.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
