@@ -1,3 +1,15 @@
-"""sheafgnn: the Sheaf-State Language Model on PyTorch Geometric."""
+"""sheafgnn: the Sheaf-State Language Model on PyTorch Geometric.
+
+::
+
+    from sheafgnn import SheafStateConfig, SheafStateLM, build_site
+    data = build_site("The cat sat. It sat.\n")       # causal typed HeteroData
+    logits = SheafStateLM(SheafStateConfig())(data)   # (num_tokens, 256)
+"""
+
+from sheafgnn.model import SheafStateConfig, SheafStateLM
+from sheafgnn.site import SiteBuilder, SiteConfig, build_site, validate_site
 
 __version__ = "0.1.0"
+
+__all__ = ["SheafStateConfig", "SheafStateLM", "SiteBuilder", "SiteConfig", "build_site", "validate_site"]
