@@ -76,6 +76,15 @@ L-layer reach is not counted, as in the paper). Caveat: the selective scan
 carries a compressed summary of the *whole* prefix; counting it as one hop
 per token step undercounts what the SSM may carry, while counting it as
 reaching everything would make the site's relations the dense triangle.
+
+**Beyond the paper: a learned topology** (:func:`run_learned`). A small
+:class:`~sheafgnn.model.SheafStateLM` is trained by next-token prediction on
+independent synthetic sequences; its kept candidate edges (union over
+blocks) whose gate exceeds a threshold, plus the site's fixed edges (cover,
+``token reads output``) and the stream, are scored with the same relations,
+hops and G* as the designed site (:func:`topology_graph`). Two references
+bound what any gating of the site can reach: ``fixed_only`` (no candidate
+edge) and ``oracle`` (:func:`oracle_topology`).
 """
 
 from __future__ import annotations
@@ -709,10 +718,11 @@ def main_simulate(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--learned", action="store_true",
                         help="instead: train SheafStateLM and score its learned topology (simulate_learned.json)")
-    parser.add_argument("--steps", type=int, default=1500, help="--learned: optimizer steps (default: 1500)")
-    parser.add_argument("--n-train", type=int, default=1 << 18, help="--learned: training tokens (default: 2^18)")
+    parser.add_argument("--steps", type=int, default=4500, help="--learned: optimizer steps (default: 4500)")
+    parser.add_argument("--n-train", type=int, default=1 << 19, help="--learned: training tokens (default: 2^19)")
+    parser.add_argument("--lr", type=float, default=5e-3, help="--learned: peak learning rate (default: 5e-3)")
     parser.add_argument("--train-window", type=int, default=1024, help="--learned: tokens per window (default: 1024)")
-    parser.add_argument("--gate-penalty", type=float, default=0.1, help="--learned: gate penalty (default: 0.1)")
+    parser.add_argument("--gate-penalty", type=float, default=0.01, help="--learned: gate penalty (default: 0.01)")
     parser.add_argument("--max-seconds", type=float, default=None, help="--learned: stop training after this long")
     parser.add_argument("--threads", type=int, default=1,
                         help="--learned: torch threads (default: 1, the model is tiny; 0: torch's default)")
@@ -917,7 +927,20 @@ def _threshold_rows(topology: dict, data: HeteroData, seq: SyntheticSequence, ho
     return rows
 
 
-def learned_model_config(d_model: int = 32, n_layers: int = 1, topology_k: int = 1, gate_penalty: float = 0.1,
+def waste_floor(fixed: dict, deps: int, coverage: float) -> float:
+    """The least waste of any topology that contains ``fixed``'s relations and reaches ``coverage``.
+
+    Gating only removes candidate edges, so every learned topology keeps the
+    relations of the fixed edges (``fixed``: a scored row with ``relations``
+    and ``realised``). Reaching ``coverage`` of ``deps`` dependencies needs
+    ``ceil(coverage * deps) - realised`` more realised pairs, each at least one
+    more relation; the best case adds nothing else.
+    """
+    need = max(0, math.ceil(coverage * deps - 1e-9) - fixed["realised"])
+    return 1.0 - (fixed["realised"] + need) / (fixed["relations"] + need)
+
+
+def learned_model_config(d_model: int = 32, n_layers: int = 2, topology_k: int = 1, gate_penalty: float = 0.01,
                          site_config: SiteConfig | None = None):
     """A small :class:`~sheafgnn.model.SheafStateConfig` for the learned-topology run."""
     from sheafgnn.model import SheafStateConfig
@@ -927,9 +950,68 @@ def learned_model_config(d_model: int = 32, n_layers: int = 1, topology_k: int =
                             topology_k=topology_k, gate_penalty=gate_penalty, site=site_config.to_dict())
 
 
-def run_learned(n_train: int = 1 << 18, n_eval: int = 32768, steps: int = 1500, seed: int = 0,
-                window: int = 1024, batch: int = 1, lr: float = 3e-3, d_model: int = 32, n_layers: int = 1,
-                topology_k: int = 1, gate_penalty: float = 0.1, penalty_ramp: float = 0.5, hops: int = 3,
+def train_learned(model, sequences: Tensor | list[Tensor], site_config: SiteConfig, steps: int, window: int = 1024,
+                  batch: int = 1,
+                  lr: float = 3e-3, gate_penalty: float = 0.1, penalty_ramp: float = 0.5, seed: int = 0,
+                  max_seconds: float | None = None, log_every: int = 50, verbose: bool = False) -> dict:
+    """Next-token training of ``model`` on random windows of ``sequences`` with AdamW (the run_learned loop).
+
+    Each window is drawn from a random sequence (1-D token ids, at least
+    ``window + 1`` tokens each) at a random offset.
+
+    5% linear warm-up, cosine decay to lr / 10, gradient clipping at 1; the
+    gate penalty ramps from 0 to ``gate_penalty`` over ``penalty_ramp`` of the
+    steps (it is left at ``gate_penalty``). Leaves the model in eval mode.
+
+    Returns:
+        dict: ``steps`` done, ``steps_requested``, ``seconds``, ``tokens`` and the loss ``curve``
+        (mean training loss, penalties included, per ``log_every`` steps).
+    """
+    from torch_geometric.data import Batch
+
+    sequences = [sequences] if isinstance(sequences, Tensor) else list(sequences)
+    lengths = [ids.numel() for ids in sequences]
+    if not sequences or min(lengths) < window + 1:
+        raise ValueError(f"train_learned: every sequence needs more than window = {window} tokens "
+                         f"(got lengths {sorted(set(lengths))[:5]})")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    warmup = max(1, steps // 20)
+    schedule = lambda s: (s + 1) / warmup if s < warmup else 0.1 + 0.45 * (1 + math.cos(
+        math.pi * (s - warmup) / max(1, steps - warmup)))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    rng = torch.Generator().manual_seed(seed)
+    curve, running, done = [], [], 0
+    start = time.perf_counter()
+    model.train()
+    for step in range(steps):
+        picks = torch.randint(0, len(sequences), (batch,), generator=rng).tolist()
+        offsets = [int(torch.randint(0, lengths[i] - window, (1,), generator=rng)) for i in picks]
+        sites = [_window_site(sequences[i], o, window, site_config) for i, o in zip(picks, offsets)]
+        model.config.gate_penalty = gate_penalty * min(1.0, step / max(1.0, penalty_ramp * steps))
+        loss = model.loss(sites[0] if batch == 1 else Batch.from_data_list(sites))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        running.append(float(loss.detach()))
+        done = step + 1
+        if done % log_every == 0 or done == steps:
+            curve.append({"step": done, "loss": float(np.mean(running)), "seconds": time.perf_counter() - start})
+            running = []
+            if verbose:
+                print(f"step {done:5d}  train loss {curve[-1]['loss']:.4f}  {curve[-1]['seconds']:.0f} s", flush=True)
+        if max_seconds is not None and time.perf_counter() - start > max_seconds:
+            break
+    model.config.gate_penalty = gate_penalty
+    model.eval()
+    return {"steps": done, "steps_requested": steps, "seconds": time.perf_counter() - start,
+            "tokens": done * batch * window, "curve": curve}
+
+
+def run_learned(n_train: int = 1 << 19, n_eval: int = 32768, steps: int = 4500, seed: int = 0,
+                window: int = 1024, batch: int = 1, lr: float = 5e-3, d_model: int = 32, n_layers: int = 2,
+                topology_k: int = 1, gate_penalty: float = 0.01, penalty_ramp: float = 0.5, hops: int = 3,
                 thresholds: tuple[float, ...] = LEARNED_THRESHOLDS,
                 growth_ns: tuple[int, ...] = tuple(2**k for k in range(12, 17)),
                 sweep: tuple[float, ...] = tuple(np.round(np.arange(0.0, 1.0, 0.05), 2)),
@@ -940,21 +1022,25 @@ def run_learned(n_train: int = 1 << 18, n_eval: int = 32768, steps: int = 1500, 
     The model reads the site that the simulation uses (default:
     :func:`matched_site_config`) and learns, per candidate edge, a gate and a
     top-k choice (:class:`~sheafgnn.nn.topology.TopologyScorer`). After
-    next-token training with AdamW on random windows of a training sequence
-    (seed ``seed + 1``), the *last block's* topology on an evaluation sequence
-    (seed ``seed``, the one :func:`run_table` scores) is thresholded and scored
-    against G* with the definitions and hops of the designed site: a kept edge
-    is one relation-graph edge, the site's fixed edges (cover, ``token reads
+    next-token training with AdamW (:func:`train_learned`) on independent
+    training sequences, the topology of every block, merged
+    (:func:`learned_topology`), on an evaluation sequence (seed ``seed``, the
+    one :func:`run_table` scores) is thresholded and scored against G* with
+    the definitions and hops of the designed site: a kept edge is one
+    relation-graph edge, the site's fixed edges (cover, ``token reads
     output``) and the token stream stay (:func:`topology_graph`).
 
     Args:
-        n_train (int): tokens of the training sequence (default: :obj:`2**18`).
+        n_train (int): training tokens: ``n_train // (window + 1)`` independent sequences of
+            ``window + 1`` tokens, seeds apart from the evaluation's (default: :obj:`2**19`).
+            Independent sequences matter: an entity's value is drawn once per sequence, so
+            windows of one long sequence would let a model memorise values instead of copying.
         n_eval (int): tokens of the evaluation sequence (default: :obj:`32768`).
-        steps (int): optimizer steps (default: :obj:`1500`).
+        steps (int): optimizer steps (default: :obj:`4500`, about 8 minutes on one CPU thread).
         seed (int): evaluation sequence, model init and window order (default: :obj:`0`).
         window (int): tokens per training window (default: :obj:`1024`).
         batch (int): windows per step (default: :obj:`1`).
-        lr (float): peak AdamW learning rate; 5% warm-up, cosine to lr / 10 (default: :obj:`3e-3`).
+        lr (float): peak AdamW learning rate; 5% warm-up, cosine to lr / 10 (default: :obj:`5e-3`).
         d_model, n_layers, topology_k, gate_penalty: the model (:func:`learned_model_config`).
         penalty_ramp (float): the gate penalty grows linearly from 0 to ``gate_penalty`` over this
             share of the steps, so that edges become useful before they are pruned (default: :obj:`0.5`).
@@ -977,8 +1063,6 @@ def run_learned(n_train: int = 1 << 18, n_eval: int = 32768, steps: int = 1500, 
         :func:`oracle_topology`), ``sweep``, ``gates`` (:func:`gate_stats`),
         ``growth`` (edges per n and fitted slopes) and ``seconds``.
     """
-    from torch_geometric.data import Batch
-
     from sheafgnn.model import SheafStateLM
 
     if window < 16 or n_train < window + 1:
@@ -988,7 +1072,8 @@ def run_learned(n_train: int = 1 << 18, n_eval: int = 32768, steps: int = 1500, 
     torch.manual_seed(seed)
     model_config = learned_model_config(d_model, n_layers, topology_k, gate_penalty, site_config)
     model = SheafStateLM(model_config)
-    train_seq = generate(n_train, seed + 1, config)
+    train_ids = [generate(window + 1, 1_000_003 * (seed + 1) + i, config).ids
+                 for i in range(max(1, n_train // (window + 1)))]
     seq = generate(n_eval, seed, config)
     data = _eval_site(seq, site_config)
     log = lambda msg: print(msg, flush=True) if verbose else None
@@ -999,35 +1084,9 @@ def run_learned(n_train: int = 1 << 18, n_eval: int = 32768, steps: int = 1500, 
     log(f"eval loss before: {loss_before['loss']:.4f}")
 
     # ---- train: random windows of the training sequence
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    warmup = max(1, steps // 20)
-    schedule = lambda s: (s + 1) / warmup if s < warmup else 0.1 + 0.45 * (1 + math.cos(
-        math.pi * (s - warmup) / max(1, steps - warmup)))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    rng = torch.Generator().manual_seed(seed)
-    curve, running, done = [], [], 0
-    start = time.perf_counter()
-    model.train()
-    for step in range(steps):
-        starts = torch.randint(0, n_train - window, (batch,), generator=rng).tolist()
-        sites = [_window_site(train_seq.ids, s, window, site_config) for s in starts]
-        model.config.gate_penalty = gate_penalty * min(1.0, step / max(1.0, penalty_ramp * steps))
-        loss = model.loss(sites[0] if batch == 1 else Batch.from_data_list(sites))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        running.append(float(loss.detach()))
-        done = step + 1
-        if done % log_every == 0 or done == steps:
-            curve.append({"step": done, "loss": float(np.mean(running)), "seconds": time.perf_counter() - start})
-            running = []
-            log(f"step {done:5d}  train loss {curve[-1]['loss']:.4f}  {curve[-1]['seconds']:.0f} s")
-        if max_seconds is not None and time.perf_counter() - start > max_seconds:
-            break
-    train_seconds = time.perf_counter() - start
-    model.config.gate_penalty = gate_penalty
+    train = train_learned(model, train_ids, site_config, steps=steps, window=window, batch=batch, lr=lr,
+                          gate_penalty=gate_penalty, penalty_ramp=penalty_ramp, seed=seed, max_seconds=max_seconds,
+                          log_every=log_every, verbose=verbose)
     model.eval()
 
     # ---- read out and score the learned topology
@@ -1036,6 +1095,7 @@ def run_learned(n_train: int = 1 << 18, n_eval: int = 32768, steps: int = 1500, 
     topology = learned_topology(model, data)
     learned = _threshold_rows(topology, data, seq, hops, thresholds)
     designed = score_site(seq, data, hops)
+    designed["candidate_edges"] = int(sum(data[e].edge_index.size(1) for e in CANDIDATE_EDGES if e in data.edge_types))
     references = {"fixed_only": _score_topology({e: {"edge_index": torch.zeros(2, 0, dtype=torch.long)}
                                                  for e in CANDIDATE_EDGES}, data, seq, hops),
                   "oracle": _score_topology(oracle_topology(seq, data), data, seq, hops)}
@@ -1072,12 +1132,12 @@ def run_learned(n_train: int = 1 << 18, n_eval: int = 32768, steps: int = 1500, 
         "lr": lr, "generator": asdict(seq.config), "site_config": site_config.to_dict(),
         "model_config": model_config.to_dict(),
         "parameters": sum(p.numel() for p in model.parameters()), "deps": seq.dep_counts(),
-        "train": {"steps": done, "steps_requested": steps, "seconds": train_seconds,
-                  "tokens": done * batch * window, "curve": curve},
+        "train": train,
         "loss_before": loss_before, "loss_after": loss_after,
         "designed": designed, "untrained": untrained, "learned": learned, "references": references,
         "sweep": sweep_rows, "gates": gate_stats(topology, seq), "gates_untrained": gate_stats(untrained_topology, seq),
         "growth": growth, "targets": {"coverage": 0.99, "waste": 0.325},
+        "waste_floor_at_target_coverage": waste_floor(references["fixed_only"], int(seq.src.numel()), 0.99),
         "seconds": time.perf_counter() - start_all,
     }
 
@@ -1113,6 +1173,9 @@ def plot_learned(result: dict, path) -> None:
         row = result["designed"] if name == "designed" else result["references"][name]
         ax.axhline(row["coverage"], ls=style, color="tab:blue", lw=1, label=f"{name} coverage {row['coverage']:.3f}")
         ax.axhline(row["waste"], ls=style, color="tab:red", lw=1, label=f"{name} waste {row['waste']:.3f}")
+    floor = result["references"]["fixed_only"]
+    ax.axhline(floor["waste"], ls="-.", color="grey", lw=1,
+               label=f"no candidate edges: cov. {floor['coverage']:.3f}, waste {floor['waste']:.3f}")
     ax.axhspan(result["targets"]["coverage"], 1.0, color="tab:blue", alpha=0.08, label="target coverage >= 99%")
     ax.axhspan(0.0, result["targets"]["waste"], color="tab:red", alpha=0.08, label="target waste <= 32.5%")
     ax.set_xlabel("gate threshold (edge kept if gate > threshold)")
@@ -1165,8 +1228,20 @@ def format_learned(result: dict) -> str:
         lines.append(f"{name:<22}{100 * row['coverage']:>9.2f}%{100 * row['waste']:>9.2f}%{row['relations']:>12,}"
                      f"{row['edges']:>11,}{row.get('candidate_edges', 0):>12,}{fmt(by['anchor']):>13}"
                      f"{fmt(by['entity']):>13}")
+    if "waste_floor_at_target_coverage" in result:
+        lines.append(f"least waste of any gating of this site at {100 * result['targets']['coverage']:.0f}% coverage: "
+                     f"{100 * result['waste_floor_at_target_coverage']:.2f}% (its fixed edges and stream stay)")
+    lines.append("threshold sweep (gate > thr): " + "  ".join(
+        f"{r['threshold']:g}: {100 * r['coverage']:.1f}%/{100 * r['waste']:.1f}%" for r in result["sweep"])
+        + "  (coverage/waste)")
+    gates = result["gates"]["types"]
+    separation = [f"{k.replace('__reads__output', '')} {v['mean_long_range']:.2f}/{v['mean_other']:.2f} "
+                  f"(AUC {v['auc_long_range']:.2f})" for k, v in gates.items()
+                  if v.get("auc_long_range") is not None]
+    lines.append("reads -> output, mean gate at long-range / other targets: " + ", ".join(separation))
     growth = result["growth"]
-    slopes = ", ".join(f"{k} {growth[k]['edges_slope']:.3f}" for k in growth if k != "ns")
+    fmt_slope = lambda v: f"{v:.3f}" if v is not None else "-"
+    slopes = ", ".join(f"{k} {fmt_slope(growth[k]['edges_slope'])}" for k in growth if k != "ns")
     lines.append(f"edges ~ n^a over n = {growth['ns'][0]:,} .. {growth['ns'][-1]:,}: {slopes}")
     return "\n".join(lines)
 
@@ -1176,7 +1251,8 @@ def _main_learned(args: argparse.Namespace, out: Path) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     result = run_learned(n_train=args.n_train, n_eval=args.n, steps=args.steps, seed=args.seed, hops=args.hops,
-                         window=args.train_window, gate_penalty=args.gate_penalty, max_seconds=args.max_seconds,
+                         window=args.train_window, lr=args.lr, gate_penalty=args.gate_penalty,
+                         max_seconds=args.max_seconds,
                          verbose=True)
     print(format_learned(result))
     (out / "simulate_learned.json").write_text(json.dumps(result, indent=2))
