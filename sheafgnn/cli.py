@@ -116,11 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sheafgnn", description=__doc__.split("\n")[0],
                                      epilog="also: " + ", ".join(f"sheafgnn {name} --help" for name in DELEGATED))
     sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,inspect," + ",".join(DELEGATED) + "}")
-    demo = sub.add_parser("demo", help="the main demo on the embedded corpus")
+    demo = sub.add_parser("demo", help="the main demo on the embedded corpus (other flags go to `sheafgnn compare`)")
     demo.add_argument("--out", default="runs/demo", help="output folder (default: runs/demo)")
     demo.add_argument("--context", type=int, default=1024, help="tokens per site for the statistics (default: 1024)")
     demo.add_argument("--tokens", type=int, default=65536, help="corpus tokens for the statistics (default: 65536)")
-    demo.add_argument("compare_args", nargs=argparse.REMAINDER, help="passed on to `sheafgnn compare`")
     demo.set_defaults(func=_demo)
     inspect = sub.add_parser("inspect", help="statistics, exports and plots of a model's topology on a text")
     inspect.add_argument("model", help="a training out_dir, a checkpoint step folder, or a SheafStateConfig file")
@@ -130,7 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     inspect.add_argument("--top-k", type=int, default=5, help="top edges listed per type (default: 5)")
     inspect.add_argument("--max-bytes", type=int, default=4096, help="bytes of the text read (default: 4096)")
     inspect.set_defaults(func=_inspect)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "demo":
+        args.compare_args = extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
     except ValueError as err:

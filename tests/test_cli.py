@@ -38,3 +38,5 @@ def test_clear_errors(tmp_path, capsys):
     assert "holds no checkpoint" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["nonsense"])
+    with pytest.raises(SystemExit):
+        main(["inspect", str(tmp_path), "--text", __file__, "--no-such-flag"])
