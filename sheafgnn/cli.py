@@ -59,10 +59,7 @@ def _demo(args: argparse.Namespace) -> int:
     # A few minutes on 2 CPU cores; later flags (the user's) override these.
     compare_args = ["--out", str(out / "compare"), "--models", "sheaf", "dense", "--tokens", "65536",
                     "--sweep", "1024", "2048", "4096", "8192", *args.compare_args]
-    status = main_compare(compare_args)
-    if status == 0:
-        print("\n" + (out / "compare" / "compare.md").read_text())
-    return status
+    return main_compare(compare_args)  # prints the comparison table
 
 
 def load_model(path: str | Path):
