@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -27,6 +29,20 @@ DELEGATED = {
     "tasks": ("sheafgnn.evaltasks", "main_tasks"),
     "simulate": ("sheafgnn.simulate", "main_simulate"),
 }
+
+
+def run_report_command(prog: str, parse: Callable[[list[str] | None], Any], run: Callable[[Any], dict],
+                       argv: list[str] | None) -> int:
+    """Parse flags into a config, run it, list the files written; a ``ValueError`` becomes
+    ``prog: error: ...`` and exit status 1 (the report's ``files`` live in ``config.out_dir``)."""
+    try:
+        config = parse(argv)
+        report = run(config)
+    except ValueError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {', '.join(str(Path(config.out_dir) / f) for f in report['files'])}")
+    return 0
 
 
 def _site_demo(out: Path, context: int, tokens: int) -> None:

@@ -579,15 +579,9 @@ def parse_compare_args(argv: list[str] | None = None) -> CompareConfig:
 
 def main_compare(argv: list[str] | None = None) -> int:
     """``sheafgnn compare [flags]``; returns the exit status."""
-    try:
-        config = parse_compare_args(argv)
-        report = run_compare(config)
-    except ValueError as err:
-        print(f"sheafgnn compare: error: {err}", file=sys.stderr)
-        return 1
-    print(f"wrote {', '.join(str(Path(config.out_dir) / f) for f in report['files'])}")
-    return 0
+    from sheafgnn.cli import run_report_command
 
+    return run_report_command("sheafgnn compare", parse_compare_args, run_compare, argv)
 
 if __name__ == "__main__":
     sys.exit(main_compare())

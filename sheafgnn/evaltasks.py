@@ -508,15 +508,9 @@ def parse_tasks_args(argv: list[str] | None = None) -> TasksConfig:
 
 def main_tasks(argv: list[str] | None = None) -> int:
     """``sheafgnn tasks [flags]``; returns the exit status."""
-    try:
-        config = parse_tasks_args(argv)
-        report = run_tasks(config)
-    except ValueError as err:
-        print(f"sheafgnn tasks: error: {err}", file=sys.stderr)
-        return 1
-    print(f"wrote {', '.join(str(Path(config.out_dir) / f) for f in report['files'])}")
-    return 0
+    from sheafgnn.cli import run_report_command
 
+    return run_report_command("sheafgnn tasks", parse_tasks_args, run_tasks, argv)
 
 if __name__ == "__main__":
     sys.exit(main_tasks())
