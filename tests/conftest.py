@@ -1,7 +1,10 @@
+import random
+
 import pytest
 import torch
 
-from sheafgnn.site import SiteConfig, TopicModel
+from sheafgnn.model import SheafStateConfig
+from sheafgnn.site import SiteConfig, TopicModel, build_site
 from sheafgnn.site.rules import split_sentences
 
 torch.set_num_threads(1)
@@ -40,3 +43,30 @@ def full_config(tmp_path_factory, topic_model) -> SiteConfig:
     path = tmp_path_factory.mktemp("topics") / "topics.safetensors"
     topic_model.save(path)
     return SiteConfig(local_window=8, retrieval_key_len=2, memory_min_len=2, topic_model=str(path))
+
+
+def small_model_config(full_config: SiteConfig, **kwargs) -> SheafStateConfig:
+    """A tiny SheafStateConfig on the every-type site config; ``kwargs`` override."""
+    defaults = dict(d_model=32, n_layers=2, stalk_dim=4, headdim=16, chunk_size=16, site=full_config.to_dict())
+    defaults.update(kwargs)
+    return SheafStateConfig(**defaults)
+
+
+SUFFIXES = [b" The end. (x) ###\n", b"\n\n    fish cat\nQ: why?\n", b"))]]\"\" the cat sat."]
+
+
+def assert_logits_causal(model, text: str, trials: int, atol: float = 1e-5) -> None:
+    """Perturbation test: logits at positions <= t are the same whatever text follows t,
+    for ``trials`` random t in train and in eval mode."""
+    site_config = model.config.site_config
+    raw = text.encode()
+    rng = random.Random(1)
+    for mode in ("train", "eval"):
+        model.train(mode == "train")
+        for _ in range(trials):
+            t = rng.randrange(8, len(raw) - 1)
+            a, b = rng.sample(SUFFIXES, 2)
+            ga, gb = build_site(raw[: t + 1] + a, site_config), build_site(raw[: t + 1] + b, site_config)
+            with torch.no_grad():
+                la, lb = model(ga)[: t + 1], model(gb)[: t + 1]
+            assert torch.allclose(la, lb, atol=atol), f"{mode}: logits before t={t} depend on the future"

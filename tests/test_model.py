@@ -1,4 +1,3 @@
-import random
 
 import pytest
 import torch
@@ -10,13 +9,9 @@ from sheafgnn.nn.segment import HAS_TORCH_SCATTER, use_backend
 from sheafgnn.nn.topology import topk_per_group
 from sheafgnn.site import CANDIDATE_EDGES, build_site
 
-from .conftest import CODE, PROSE
+from .conftest import CODE, PROSE, assert_logits_causal, small_model_config
 
-
-def _config(full_config, **kwargs) -> SheafStateConfig:
-    defaults = dict(d_model=32, n_layers=2, stalk_dim=4, headdim=16, chunk_size=16, site=full_config.to_dict())
-    defaults.update(kwargs)
-    return SheafStateConfig(**defaults)
+_config = small_model_config
 
 
 def _with_targets(data):
@@ -30,21 +25,8 @@ def _with_targets(data):
 def test_causal_end_to_end(text, map_kind, full_config):
     """Logits at positions <= t do not depend on text after t (every patch type on)."""
     torch.manual_seed(0)
-    config = _config(full_config, map_kind=map_kind, num_experts=2)
-    model = SheafStateLM(config)
-    site_config = config.site_config
-    raw = text.encode()
-    rng = random.Random(1)
-    suffixes = [b" The end. (x) ###\n", b"\n\n    fish cat\nQ: why?\n", b"))]]\"\" the cat sat."]
-    for mode in ("train", "eval"):
-        model.train(mode == "train")
-        for _ in range(3):
-            t = rng.randrange(8, len(raw) - 1)
-            a, b = rng.sample(suffixes, 2)
-            ga, gb = build_site(raw[: t + 1] + a, site_config), build_site(raw[: t + 1] + b, site_config)
-            la, lb = model(ga)[: t + 1], model(gb)[: t + 1]
-            assert torch.allclose(la, lb, atol=1e-5), f"{mode}: logits before t={t} depend on the future"
-
+    model = SheafStateLM(_config(full_config, map_kind=map_kind, num_experts=2))
+    assert_logits_causal(model, text, trials=3)
 
 def test_perturbation_test_can_fail(full_config):
     """The causality check above detects a leak when one is planted (and validation is off)."""

@@ -1,11 +1,10 @@
-import random
 
 import pytest
 import torch
 from safetensors import safe_open
 from torch import nn
 
-from sheafgnn.model import SheafStateConfig, SheafStateLM
+from sheafgnn.model import SheafStateLM
 from sheafgnn.nn.quant import (
     PackedLinear,
     QuantizedFileError,
@@ -27,15 +26,12 @@ from sheafgnn.nn.quant import (
 from sheafgnn.nn.sheaf import SheafConv
 from sheafgnn.site import build_site
 
-from .conftest import CODE, PROSE
+from .conftest import CODE, PROSE, assert_logits_causal, small_model_config
 
 MAPS_INT4 = {"maps": "int4", "experts": "int8"}
 
 
-def _config(full_config, **kwargs) -> SheafStateConfig:
-    defaults = dict(d_model=32, n_layers=2, stalk_dim=4, headdim=16, chunk_size=16, site=full_config.to_dict())
-    defaults.update(kwargs)
-    return SheafStateConfig(**defaults)
+_config = small_model_config
 
 
 def _perturb(model: nn.Module) -> None:
@@ -284,20 +280,7 @@ def test_causal_with_quantisation(full_config):
     torch.manual_seed(0)
     config = _config(full_config, map_kind="general", num_experts=2,
                      quant={"maps": "int4", "experts": "int8", "map_values": "int4"})
-    model = SheafStateLM(config).double()
-    raw = PROSE.encode()
-    rng = random.Random(1)
-    suffixes = [b" The end. (x) ###\n", b"\n\n    fish cat\nQ: why?\n", b"))]]\"\" the cat sat."]
-    for mode in ("train", "eval"):
-        model.train(mode == "train")
-        for _ in range(2):
-            t = rng.randrange(8, len(raw) - 1)
-            a, b = rng.sample(suffixes, 2)
-            ga, gb = build_site(raw[: t + 1] + a, config.site_config), build_site(raw[: t + 1] + b, config.site_config)
-            with torch.no_grad():
-                la, lb = model(ga)[: t + 1], model(gb)[: t + 1]
-            assert torch.allclose(la, lb, atol=1e-5), f"{mode}: logits before t={t} depend on the future"
-
+    assert_logits_causal(SheafStateLM(config).double(), PROSE, trials=2)
 
 def test_quantised_model_trains(full_config):
     torch.manual_seed(0)
