@@ -176,16 +176,14 @@ class SheafStateLM(nn.Module):
                 raise ValueError(f"SheafStateLM: the input is not a valid causal site: {err}") from None
 
     def _embed(self, data: HeteroData, site: FlatSite) -> Tensor:
-        p = site.type_ptr
-        h = self.type_embedding(site.node_type)  # (N, D)
-        h_tok = h[: p[1]] + self.token_embedding(data["token"].x)
+        tokens = self.token_embedding(data["token"].x) + self.type_embedding.weight[0]  # (num_tokens, D)
         if not self.config.gluing:
-            return h_tok
-        topic, workspace = site.block("topic"), site.block("workspace")
-        extra = torch.zeros_like(h)
-        extra[topic] = self.topic_embedding(data["topic"].topic % self.config.num_topics)
-        extra[workspace] = self.register_embedding(data["workspace"].register)
-        return torch.cat([h_tok, h[p[1]:] + extra[p[1]:]])
+            return tokens
+        h = self.type_embedding(site.node_type)  # (N, D)
+        extra = {"topic": self.topic_embedding(data["topic"].topic % self.config.num_topics),
+                 "workspace": self.register_embedding(data["workspace"].register)}
+        blocks = [h[site.block(t)] + extra[t] if t in extra else h[site.block(t)] for t in FLAT_TYPES[1:]]
+        return torch.cat([tokens, *blocks])  # (N, D)
 
     def _forward(self, data: HeteroData) -> tuple[Tensor, list[dict[str, Tensor]], FlatSite]:
         self._check(data)
