@@ -49,7 +49,8 @@ from torch_geometric.loader import DataLoader
 
 from sheafgnn import checkpoint as ckpt
 from sheafgnn.lm import build_model
-from sheafgnn.nn.quant import apply_quant, export_quantized, load_quantized, model_bytes
+from sheafgnn.nn.quant import apply_quant
+from sheafgnn.quantized import export_quantized, load_quantized, model_bytes
 from sheafgnn.train import TrainConfig, build_datasets, evaluate, train
 
 VARIANTS = {

@@ -7,15 +7,11 @@ from torch import nn
 from sheafgnn.model import SheafStateLM
 from sheafgnn.nn.quant import (
     PackedLinear,
-    QuantizedFileError,
     QuantLinear,
     QuantSheafConv,
     apply_quant,
     dequantize,
-    export_quantized,
     fake_quantize,
-    load_quantized,
-    model_bytes,
     pack_bits,
     pack_int4,
     quantize,
@@ -24,6 +20,7 @@ from sheafgnn.nn.quant import (
     validate_quant,
 )
 from sheafgnn.nn.sheaf import SheafConv
+from sheafgnn.quantized import QuantizedFileError, export_quantized, load_quantized, model_bytes
 from sheafgnn.site import build_site
 
 from .conftest import CODE, PROSE, assert_logits_causal, small_model_config

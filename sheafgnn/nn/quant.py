@@ -48,31 +48,15 @@ side, the channel axis being the edge), so each edge's map is still a
 function of that edge alone and causality is untouched. They are quantised
 only when ``quant`` asks (``map_values``, which defaults to ``maps``).
 
-Inference storage (:func:`export_quantized`, :func:`load_quantized`): a
-safetensors file that is exactly the ``state_dict`` of the packed model::
-
-    <layer>.codes   int8  (C_out, C_in)            int8
-                    uint8 (C_out, ceil(C_in / 2))  int4, two's-complement nibbles, low nibble first
-                    uint8 (C_out, ceil(C_in / 4))  ternary, 2-bit fields, lowest bits first
-    <layer>.scale   fp32  (C_out,)
-    <layer>.bias    fp32  (C_out,)
-    <other>         fp32, as in the model's state_dict
-    metadata        format, version, config (JSON), layers (JSON), sha256 of all tensor bytes
-
-Loading never unpickles; the loaded model holds :class:`PackedLinear` layers
-that dequantise their weight per call (``backend="dequant"``, identical to
-the fake-quantised training graph) or run ``torch._int_mm`` on dynamically
-int8-quantised activations (``backend="int8"``, approximate: it quantises
-activations, so measure it before relying on it).
+For inference, :func:`to_packed` swaps every :class:`QuantLinear` for a
+:class:`PackedLinear` that stores the packed codes; the file format that
+holds such a model is in :mod:`sheafgnn.quantized` (``export_quantized``,
+``load_quantized``).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 from dataclasses import is_dataclass, replace
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -82,22 +66,16 @@ from sheafgnn.nn.experts import FeedForward
 from sheafgnn.nn.sheaf import SheafConv
 
 __all__ = [
-    "QUANT_MODES", "QUANT_TARGETS", "PackedLinear", "QuantLinear", "QuantSheafConv", "QuantizedFileError",
-    "apply_quant", "dequantize", "export_quantized", "fake_quantize", "load_quantized", "model_bytes",
-    "pack_bits", "pack_int4", "quantize", "to_packed", "unpack_bits", "unpack_int4", "validate_quant",
+    "QUANT_MODES", "QUANT_TARGETS", "PackedLinear", "QuantLinear", "QuantSheafConv", "apply_quant",
+    "dequantize", "fake_quantize", "pack_bits", "pack_codes", "pack_int4", "quantize", "to_packed",
+    "unpack_bits", "unpack_codes", "unpack_int4", "validate_quant",
 ]
 
 QUANT_MODES = ("none", "int8", "int4", "ternary")
 QUANT_TARGETS = ("maps", "experts", "map_values")
 QMAX = {"int8": 127, "int4": 7, "ternary": 1}  # largest code magnitude
 BITS = {"int8": 8, "int4": 4, "ternary": 2}  # stored bits per weight
-BACKENDS = ("dequant", "int8")
-FORMAT = "sheafgnn-quant"
-VERSION = 1
-
-
-class QuantizedFileError(ValueError):
-    """A quantised model file is missing, corrupt, or not a sheafgnn export."""
+BACKENDS = ("dequant", "int8")  # how a PackedLinear computes
 
 
 # ---------------------------------------------------------------------------
@@ -259,11 +237,13 @@ def unpack_int4(packed: Tensor, n: int) -> Tensor:
     return unpack_bits(packed, 4, n)
 
 
-def _pack_codes(codes: Tensor, mode: str) -> Tensor:
+def pack_codes(codes: Tensor, mode: str) -> Tensor:
+    """int8 codes as stored: int8 as is, int4 and ternary packed along the last dim (:func:`pack_bits`)."""
     return codes.to(torch.int8) if mode == "int8" else pack_bits(codes, BITS[mode])
 
 
-def _unpack_codes(stored: Tensor, mode: str, n: int) -> Tensor:
+def unpack_codes(stored: Tensor, mode: str, n: int) -> Tensor:
+    """Inverse of :func:`pack_codes`: ``n`` int8 codes per row."""
     return stored if mode == "int8" else unpack_bits(stored, BITS[mode], n)
 
 
@@ -366,7 +346,7 @@ class PackedLinear(nn.Module):
         """Packs the current weight of ``layer``."""
         out = cls(layer.in_features, layer.out_features, layer.mode, layer.bias is not None, backend)
         codes, scale = quantize(layer.weight.detach(), layer.mode)
-        out.codes = _pack_codes(codes, layer.mode).to(layer.weight.device)
+        out.codes = pack_codes(codes, layer.mode).to(layer.weight.device)
         out.scale = scale.float()
         if layer.bias is not None:
             out.bias = nn.Parameter(layer.bias.detach().float().clone(), requires_grad=False)
@@ -374,7 +354,7 @@ class PackedLinear(nn.Module):
 
     def int_codes(self) -> Tensor:
         """The codes as int8, ``(C_out, C_in)``."""
-        return _unpack_codes(self.codes, self.mode, self.in_features)
+        return unpack_codes(self.codes, self.mode, self.in_features)
 
     @property
     def weight(self) -> Tensor:
@@ -462,7 +442,7 @@ def apply_quant(model: nn.Module, quant: dict) -> nn.Module:
     float ``state_dict`` keys are unchanged. Idempotent. On a float
     :class:`~sheafgnn.model.SheafStateLM` (post-training quantisation) it
     also replaces ``model.config`` by a copy with ``quant`` set, so that
-    :func:`export_quantized` records it.
+    :func:`sheafgnn.quantized.export_quantized` records it.
 
     Raises:
         ValueError: ``quant`` is invalid, or the model is already quantised
@@ -508,158 +488,3 @@ def to_packed(model: nn.Module, backend: str = "dequant") -> nn.Module:
             elif isinstance(child, PackedLinear):
                 child.backend = backend
     return model
-
-
-def _export_tensors(model: nn.Module) -> tuple[dict[str, Tensor], dict[str, dict]]:
-    """The packed state dict (CPU, contiguous, unshared) and the quantised layers' description."""
-    state = dict(model.state_dict())
-    layers = {}
-    for name, module in model.named_modules():
-        if isinstance(module, QuantLinear):
-            codes, scale = quantize(state.pop(f"{name}.weight").detach(), module.mode)
-            state[f"{name}.codes"] = _pack_codes(codes, module.mode)
-            state[f"{name}.scale"] = scale.float()
-        elif not isinstance(module, PackedLinear):
-            continue
-        layers[name] = {"mode": module.mode, "in_features": module.in_features,
-                        "out_features": module.out_features, "bias": module.bias is not None}
-    tensors = {k: v.detach().cpu().contiguous().clone() for k, v in sorted(state.items())}  # stable order
-    return tensors, layers
-
-
-def _digest(tensors: dict[str, Tensor]) -> str:
-    h = hashlib.sha256()
-    for key in sorted(tensors):
-        t = tensors[key].contiguous()
-        h.update(f"{key}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def export_quantized(model: nn.Module, path: str | os.PathLike) -> Path:
-    """Write ``model`` (a :class:`~sheafgnn.model.SheafStateLM`) with packed low-bit weights.
-
-    Quantised layers (:class:`QuantLinear` or :class:`PackedLinear`) go out as
-    packed codes and fp32 scales, everything else as in the ``state_dict``;
-    the config, the layer list and a SHA-256 of the tensor bytes go into the
-    safetensors metadata. The file is written to ``path.tmp`` and renamed.
-
-    Returns:
-        The path written.
-    """
-    from safetensors.torch import save_file
-
-    config = getattr(model, "config", None)
-    if not hasattr(config, "to_dict"):
-        raise ValueError(f"export_quantized: expected a SheafStateLM (a model with a config), "
-                         f"got {type(model).__name__}")
-    tensors, layers = _export_tensors(model)
-    metadata = {"format": FORMAT, "version": str(VERSION), "model": type(model).__name__,
-                "config": json.dumps(config.to_dict()), "layers": json.dumps(layers), "sha256": _digest(tensors)}
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
-    return path
-
-
-def load_quantized(path: str | os.PathLike, backend: str = "dequant",
-                   device: torch.device | str = "cpu") -> nn.Module:
-    """Load a file from :func:`export_quantized` as an eval-mode :class:`~sheafgnn.model.SheafStateLM`.
-
-    The model holds :class:`PackedLinear` layers (packed codes in memory; see
-    there for ``backend``). Only safetensors is read, nothing is unpickled.
-
-    Raises:
-        QuantizedFileError: the file is missing, unreadable, truncated, not a
-            sheafgnn export, fails its SHA-256, or its tensors do not fit the
-            model its config describes.
-    """
-    from safetensors import safe_open
-
-    from sheafgnn.model import SheafStateConfig, SheafStateLM
-
-    path = Path(path)
-    if backend not in BACKENDS:
-        raise ValueError(f"load_quantized: backend must be one of {list(BACKENDS)} (got {backend!r})")
-    if not path.is_file():
-        raise QuantizedFileError(f"load_quantized: no file at {path}")
-    redo = "; re-export the model with export_quantized"
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            meta = f.metadata() or {}
-            tensors = {key: f.get_tensor(key) for key in f.keys()}
-    except Exception as err:  # SafetensorError, OSError: truncated, garbage, unreadable
-        raise QuantizedFileError(f"load_quantized: {path} is not a readable safetensors file "
-                                 f"({type(err).__name__}: {err}){redo}") from None
-    if meta.get("format") != FORMAT:
-        raise QuantizedFileError(f"load_quantized: {path} is not a sheafgnn quantised export "
-                                 f"(metadata format {meta.get('format')!r}, expected {FORMAT!r})")
-    if meta.get("version") != str(VERSION):
-        raise QuantizedFileError(f"load_quantized: {path} has format version {meta.get('version')!r}; "
-                                 f"this sheafgnn reads version {VERSION}")
-    if _digest(tensors) != meta.get("sha256"):
-        raise QuantizedFileError(f"load_quantized: {path} is corrupt: its tensors do not match the SHA-256 "
-                                 f"recorded at export{redo}")
-    try:
-        config = SheafStateConfig.from_dict(json.loads(meta["config"]))
-        layers = json.loads(meta["layers"])
-    except (KeyError, TypeError, ValueError) as err:
-        raise QuantizedFileError(f"load_quantized: {path} has an invalid config or layer list ({err}){redo}") from None
-    with torch.random.fork_rng(devices=[]):
-        model = SheafStateLM(config)
-    to_packed(model, backend)
-    found = {name: {"mode": m.mode, "in_features": m.in_features, "out_features": m.out_features,
-                    "bias": m.bias is not None}
-             for name, m in model.named_modules() if isinstance(m, PackedLinear)}
-    if found != layers:
-        raise QuantizedFileError(f"load_quantized: {path} lists quantised layers that its config does not "
-                                 f"build ({len(layers)} in the file, {len(found)} in the model){redo}")
-    expected = model.state_dict()
-    missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
-    bad = [f"{k}: {tuple(tensors[k].shape)} {tensors[k].dtype}, expected {tuple(v.shape)} {v.dtype}"
-           for k, v in expected.items()
-           if k in tensors and (tensors[k].shape != v.shape or tensors[k].dtype != v.dtype)]
-    if missing or unexpected or bad:
-        raise QuantizedFileError(f"load_quantized: {path} does not fit its config: missing {missing[:5]}, "
-                                 f"unexpected {unexpected[:5]}, mismatched {bad[:5]}{redo}")
-    model.load_state_dict(tensors, strict=True)
-    for name, m in model.named_modules():
-        if isinstance(m, PackedLinear):
-            if m.codes.numel() and int(m.int_codes().abs().max()) > QMAX[m.mode]:
-                raise QuantizedFileError(f"load_quantized: {path}: codes of {name} lie outside the "
-                                         f"{m.mode} range [-{QMAX[m.mode]}, {QMAX[m.mode]}]{redo}")
-            if not (torch.isfinite(m.scale).all() and (m.scale > 0).all()):
-                raise QuantizedFileError(f"load_quantized: {path}: scales of {name} are not finite and "
-                                         f"positive{redo}")
-    return model.to(device).eval()
-
-
-def model_bytes(model: nn.Module, path: str | os.PathLike | None = None) -> dict[str, int]:
-    """Bytes of ``model`` in fp32 and packed, as :func:`export_quantized` writes it.
-
-    Returns:
-        ``params`` (numbers in the state dict, quantised weights counted
-        unpacked), ``fp32_bytes`` (every float at 4 bytes), ``packed_bytes``
-        (tensor bytes of the export), ``quantized_fp32_bytes`` and
-        ``quantized_packed_bytes`` (the quantised weights alone: codes and
-        scales vs fp32), and ``file_bytes`` (size of ``path``, metadata
-        included) when ``path`` is given.
-    """
-    tensors, layers = _export_tensors(model)
-    layer_keys = {f"{name}.{part}" for name in layers for part in ("codes", "scale")}
-    q_fp32 = sum(4 * v["in_features"] * v["out_features"] for v in layers.values())
-    q_packed = sum(tensors[k].numel() * tensors[k].element_size() for k in layer_keys)
-    others = {k: t for k, t in tensors.items() if k not in layer_keys}
-    out = {
-        "params": sum(t.numel() for t in others.values()) + q_fp32 // 4,
-        "fp32_bytes": sum(t.numel() * (4 if t.is_floating_point() else t.element_size()) for t in others.values())
-        + q_fp32,
-        "packed_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
-        "quantized_fp32_bytes": q_fp32,
-        "quantized_packed_bytes": q_packed,
-    }
-    if path is not None:
-        out["file_bytes"] = os.path.getsize(path)
-    return out
