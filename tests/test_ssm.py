@@ -1,15 +1,11 @@
-"""Phi: the chunked SSD scan against the per-step reference, and SelectiveSSM."""
+"""Phi: the chunked SSD scan and the fused kernels against their references, and SelectiveSSM."""
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sheafgnn.nn.ssm import (
-    SelectiveSSM,
-    SSMState,
-    ssd_scan,
-    ssd_scan_sequential,
-)
+from sheafgnn.nn.ssm import SelectiveSSM, SSMState
+from sheafgnn.nn.ssm_kernels import gated_rms_norm, shift_conv, ssd_scan, ssd_scan_sequential
 
 
 def scan_inputs(L, H=3, P=4, N=5, p_reset=0.15, dtype=torch.float64, seed=0):
@@ -162,6 +158,33 @@ def test_scan_rejects_bad_shapes():
         ssd_scan(x, dt, A, B, C, reset.long())
     with pytest.raises(ValueError, match="chunk_size"):
         ssd_scan(x, dt, A, B, C, reset, chunk_size=0)
+
+
+# ----------------------------------------------------------------------------
+# shift_conv and gated_rms_norm vs their plain references
+
+
+@pytest.mark.parametrize("K", [1, 2, 4])
+def test_shift_conv_matches_shifted_slices(K):
+    g = torch.Generator().manual_seed(8)
+    n, C = 13, 5
+    xp, w, b = (torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
+                for shape in ((n + K - 1, C), (C, K), (C,)))
+    reference = b + sum(w[:, k] * xp[k:k + n] for k in range(K))  # (n, C)
+    torch.testing.assert_close(shift_conv(xp, w, b), reference)
+    torch.autograd.gradcheck(shift_conv, (xp, w, b))
+
+
+def test_gated_rms_norm_matches_rmsnorm_of_gated():
+    g = torch.Generator().manual_seed(9)
+    L, C, eps = 7, 6, 1e-6
+    y, z, weight = (torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
+                    for shape in ((L, C), (L, C), (C,)))
+    norm = torch.nn.RMSNorm(C, eps=eps).double()
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+    torch.testing.assert_close(gated_rms_norm(y, z, weight, eps), norm(y * torch.nn.functional.silu(z)))
+    torch.autograd.gradcheck(lambda *t: gated_rms_norm(*t, eps), (y, z, weight))
 
 
 # ----------------------------------------------------------------------------

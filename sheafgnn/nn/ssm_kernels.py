@@ -1,0 +1,393 @@
+r"""The kernels of Phi: the chunked SSD scan, its sequential reference, and two fused ops.
+
+Used by :class:`~sheafgnn.nn.ssm.SelectiveSSM`. Every fast path here has a
+slow, obviously-correct reference that the tests compare it with, gradients
+included::
+
+    ssd_scan(x, dt, A, B, C, reset)          chunked parallel scan (SSD, Mamba-2)
+      per chain, per head h, the recurrence
+        h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T ... (P, N)   h = 0 at a chain start
+        y_t = h_t C_t .................................. (P,)
+      computed by chunks of Q steps (state space duality):
+        intra-chunk: quadratic form with a segment-sum of log decays (T, H, Q, Q)
+                     (_IntraChunk: fused backward, nothing (T, H, Q, Q) saved)
+        chunk states: (T, H, P, N), passed between chunks by an odd-even scan
+        T = ceil(L / Q) chunks; cost O(L Q H + T H P N), no (L, L) tensor.
+    ssd_scan_sequential(...)                 reference: the plain per-step recurrence
+    shift_conv(xp, w, b)                     depthwise causal conv, fused taps
+                                             (reference: a sum of shifted slices)
+    gated_rms_norm(y, z, weight, eps)        RMSNorm(y * SiLU(z)) * weight in one op
+                                             (reference: nn.RMSNorm(y * F.silu(z)))
+
+A chain is a run of the flat length axis that starts where ``reset`` is
+``True``; element 0 always starts one, and no state crosses a chain start.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "chain_starts",
+    "gated_rms_norm",
+    "shift_conv",
+    "ssd_scan",
+    "ssd_scan_sequential",
+]
+
+
+def _check_scan_inputs(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+                       reset: Tensor | None, chunk_size: int) -> None:
+    if x.dim() != 3:
+        raise ValueError(f"ssd_scan: x must have shape (L, H, P) (got {tuple(x.shape)})")
+    L, H, _ = x.shape
+    if dt.shape != (L, H):
+        raise ValueError(f"ssd_scan: dt must have shape (L, H) = {(L, H)} "
+                         f"(got {tuple(dt.shape)})")
+    if A.shape != (H,):
+        raise ValueError(f"ssd_scan: A must have shape (H,) = {(H,)} (got {tuple(A.shape)})")
+    if B.dim() != 2 or B.shape[0] != L or C.shape != B.shape:
+        raise ValueError(f"ssd_scan: B and C must both have shape (L, N) with L={L} "
+                         f"(got {tuple(B.shape)} and {tuple(C.shape)})")
+    if reset is not None and (reset.shape != (L,) or reset.dtype != torch.bool):
+        raise ValueError(f"ssd_scan: reset must be a bool tensor of shape (L,) = {(L,)} "
+                         f"(got {reset.dtype} {tuple(reset.shape)})")
+    if chunk_size < 1:
+        raise ValueError(f"ssd_scan: chunk_size must be positive (got {chunk_size})")
+
+
+def chain_starts(reset: Tensor | None, L: int, device: torch.device) -> Tensor:
+    """The chain starts of a flat stream of length ``L``: ``reset`` with element 0
+    forced to ``True`` (``None``: one chain). Bool (L,)."""
+    first = torch.ones(min(L, 1), dtype=torch.bool, device=device)  # (1,)
+    if reset is None:
+        rest = torch.zeros(max(L - 1, 0), dtype=torch.bool, device=device)  # (L-1,)
+    else:
+        rest = reset[1:]  # (L-1,)
+    return torch.cat([first, rest])  # (L,)
+
+
+def _linear_scan(g: Tensor, s: Tensor) -> Tensor:
+    r"""Inclusive scan of ``h_c = g_c h_{c-1} + s_c`` with ``h_{-1} = 0``.
+
+    Odd-even (work-efficient) parallel scan: pairs are combined, the half as
+    long problem is solved recursively, and the even positions are filled in.
+    ``O(T)`` work and memory, ``O(log T)`` vectorised steps, plain autograd.
+
+    Shapes:
+        - **input:** decays g (T, H), states s (T, H, P, N)
+        - **output:** h (T, H, P, N)
+    """
+    T = g.size(0)
+    if T <= 1:
+        return s
+    if T % 2 == 1:  # pad with a no-op step (g = 1, s = 0)
+        g = torch.cat([g, g.new_ones(1, *g.shape[1:])])  # (T+1, H)
+        s = torch.cat([s, s.new_zeros(1, *s.shape[1:])])  # (T+1, H, P, N)
+    g_even, g_odd = g[0::2], g[1::2]  # (T2, H)
+    s_even, s_odd = s[0::2], s[1::2]  # (T2, H, P, N)
+    g_pair = g_odd * g_even  # (T2, H)
+    s_pair = g_odd[..., None, None] * s_even + s_odd  # (T2, H, P, N)
+    h_odd = _linear_scan(g_pair, s_pair)  # (T2, H, P, N): h at 1, 3, 5, ...
+    h_prev = torch.cat([torch.zeros_like(h_odd[:1]), h_odd[:-1]])  # (T2, H, P, N)
+    h_even = g_even[..., None, None] * h_prev + s_even  # (T2, H, P, N)
+    h = torch.stack([h_even, h_odd], dim=1).flatten(0, 1)  # (2*T2, H, P, N)
+    return h[:T]
+
+
+
+class _ShiftConv(torch.autograd.Function):
+    r"""Depthwise causal conv over rows: ``out[r] = b + sum_k w[:, k] xp[r + k]``.
+
+    Fused taps (in-place accumulation) with a hand-written backward, so no
+    per-tap temporaries are made or saved; only ``xp`` and ``w`` are kept.
+
+    Shapes:
+        - **input:** xp (n + K - 1, C), w (C, K), b (C,)
+        - **output:** (n, C)
+    """
+
+    @staticmethod
+    def forward(ctx, xp: Tensor, w: Tensor, b: Tensor) -> Tensor:
+        K = w.size(1)
+        n = xp.size(0) - K + 1
+        out = torch.addcmul(b, xp[:n], w[:, 0])  # (n, C)
+        for k in range(1, K):
+            out.addcmul_(xp[k:k + n], w[:, k])
+        ctx.save_for_backward(xp, w)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g: Tensor):
+        xp, w = ctx.saved_tensors
+        K = w.size(1)
+        n = g.size(0)
+        dxp = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dxp = g.new_zeros(xp.shape)  # (n + K - 1, C)
+            for k in range(K):
+                dxp[k:k + n].addcmul_(g, w[:, k])
+        if ctx.needs_input_grad[1]:
+            dw = torch.stack([(g * xp[k:k + n]).sum(0) for k in range(K)], dim=1)  # (C, K)
+        if ctx.needs_input_grad[2]:
+            db = g.sum(0)  # (C,)
+        return dxp, dw, db
+
+
+class _GatedRMSNorm(torch.autograd.Function):
+    r"""``RMSNorm(y * SiLU(z)) * weight`` in one op (the gated norm of Mamba-2).
+
+    Saves only ``y``, ``z`` and the per-row ``1/rms``; the gate and the
+    normalised rows are rebuilt in backward instead of being stored.
+
+    Shapes:
+        - **input:** y (L, C), z (L, C), weight (C,)
+        - **output:** (L, C)
+    """
+
+    @staticmethod
+    def forward(ctx, y: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
+        g = F.silu(z).mul_(y)  # (L, C)
+        rstd = torch.rsqrt(g.square().mean(dim=-1, keepdim=True).add_(eps))  # (L, 1)
+        ctx.save_for_backward(y, z, weight, rstd)
+        return g.mul_(rstd).mul_(weight)  # (L, C)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, go: Tensor):
+        y, z, weight, rstd = ctx.saved_tensors
+        sig = torch.sigmoid(z)  # (L, C)
+        s = z * sig  # (L, C): SiLU(z)
+        n = (y * s).mul_(rstd)  # (L, C): normalised rows
+        dw = (go * n).sum(dim=0) if ctx.needs_input_grad[2] else None  # (C,)
+        gw = go * weight  # (L, C)
+        dot = (gw * n).mean(dim=-1, keepdim=True)  # (L, 1)
+        dg = gw.sub_(n.mul_(dot)).mul_(rstd)  # (L, C): d(y * SiLU(z))
+        dy = dg * s if ctx.needs_input_grad[0] else None  # (L, C)
+        dz = None
+        if ctx.needs_input_grad[1]:  # SiLU'(z) = sig (1 + z (1 - sig))
+            dz = dg.mul_(y).mul_(sig.mul_(1.0 + z * (1.0 - sig)))  # (L, C)
+        return dy, dz, dw, None
+
+
+class _IntraChunk(torch.autograd.Function):
+    r"""Intra-chunk SSD term ``y = (CB * exp(seg)) @ xdt`` with
+    ``seg_ij = a_cum_i - a_cum_j`` where ``keep`` and ``-inf`` elsewhere
+    (computed as ``(CB * keep) * exp(where(keep, seg, 0))``).
+
+    Fused forward/backward: the (T, H, Q, Q) decay matrix is built in place and
+    rebuilt in backward from the small inputs instead of being stored (as the
+    Mamba-2 kernels do), so no (T, H, Q, Q) tensor is saved for backward. With
+    ``M = CB * exp(seg)``: ``dseg = dM * M``, ``dCB = sum_h dM * exp(seg)``.
+
+    Shapes:
+        - **input:** CB (T, Q, Q), a_cum (T, H, Q), keep (T, Q, Q) bool,
+          xdt (T, H, Q, P)
+        - **output:** y (T, H, Q, P)
+    """
+
+    @staticmethod
+    def _decay(a_cum: Tensor, keep: Tensor) -> Tensor:
+        # Masked entries get seg = 0 (exp = 1) and are zeroed by the masked CB;
+        # exp(-inf) and exp(+large) take a slow path on CPU, exp(0) does not.
+        seg = a_cum.unsqueeze(-1) - a_cum.unsqueeze(-2)  # (T, H, Q, Q)
+        seg.masked_fill_(~keep.unsqueeze(1), 0.0)
+        return seg.exp_()  # (T, H, Q, Q): 1 where masked
+
+    @staticmethod
+    def forward(ctx, CB: Tensor, a_cum: Tensor, keep: Tensor, xdt: Tensor) -> Tensor:
+        CBm = CB * keep  # (T, Q, Q): zero outside the causal same-chain mask
+        M = _IntraChunk._decay(a_cum, keep).mul_(CBm.unsqueeze(1))  # (T, H, Q, Q)
+        ctx.save_for_backward(CBm, a_cum, keep, xdt)
+        return M @ xdt  # (T, H, Q, P)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gy: Tensor):
+        CBm, a_cum, keep, xdt = ctx.saved_tensors
+        decay = _IntraChunk._decay(a_cum, keep)  # (T, H, Q, Q)
+        dM = gy @ xdt.transpose(-1, -2)  # (T, H, Q, Q)
+        dCB = None
+        if ctx.needs_input_grad[0]:
+            dCB = (dM * decay).sum(dim=1).mul_(keep)  # (T, Q, Q)
+        M = decay.mul_(CBm.unsqueeze(1))  # (T, H, Q, Q): zero where masked
+        dxdt = M.transpose(-1, -2) @ gy if ctx.needs_input_grad[3] else None  # (T, H, Q, P)
+        da = None
+        if ctx.needs_input_grad[1]:
+            dseg = dM.mul_(M)  # (T, H, Q, Q): zero where masked
+            da = dseg.sum(dim=-1) - dseg.sum(dim=-2)  # (T, H, Q)
+        return dCB, da, None, dxdt
+
+
+
+def shift_conv(xp: Tensor, w: Tensor, b: Tensor) -> Tensor:
+    r"""Depthwise causal conv over rows, ``out[r] = b + sum_k w[:, k] xp[r + k]``
+    (fused taps, hand-written backward: see :class:`_ShiftConv`).
+
+    Shapes:
+        - **input:** xp (n + K - 1, C), w (C, K), b (C,)
+        - **output:** (n, C)
+    """
+    return _ShiftConv.apply(xp, w, b)
+
+
+def gated_rms_norm(y: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
+    r"""``RMSNorm(y * SiLU(z)) * weight`` in one op that saves only ``y``, ``z``
+    and ``1/rms`` for backward (see :class:`_GatedRMSNorm`).
+
+    Shapes:
+        - **input:** y (L, C), z (L, C), weight (C,)
+        - **output:** (L, C)
+    """
+    return _GatedRMSNorm.apply(y, z, weight, eps)
+
+
+def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+             reset: Tensor | None = None, chunk_size: int = 64,
+             return_final_state: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    r"""Chunked parallel selective scan (SSD, Mamba-2) over many chains.
+
+    Computes, for each head :math:`h` and each chain independently,
+
+    .. math::
+        \mathbf{h}_t = e^{\Delta_t A_h} \mathbf{h}_{t-1}
+        + \Delta_t \mathbf{x}_t \mathbf{B}_t^{\top}, \qquad
+        \mathbf{y}_t = \mathbf{h}_t \mathbf{C}_t,
+
+    with :math:`\mathbf{h} = 0` before each chain start. Within a chunk of
+    ``chunk_size`` steps the map is the masked quadratic form
+    :math:`y_i = \sum_{j \le i} (C_i^{\top} B_j)\, e^{\sum_{j<k\le i}\Delta_k A}
+    \Delta_j x_j`; chunk-final states are passed between chunks by a
+    vectorised odd-even scan. Time and memory are linear in ``L``. As in the
+    Mamba-2 kernels, a segment sum of log decays is a difference of in-chunk
+    cumulative sums; half-precision inputs are scanned in float32.
+
+    Args:
+        x (Tensor): SSM input, split into heads.
+        dt (Tensor): positive step sizes (after softplus).
+        A (Tensor): per-head decay rates; negative for a stable recurrence.
+        B (Tensor): input projections onto the state, shared across heads.
+        C (Tensor): output projections from the state, shared across heads.
+        reset (BoolTensor, optional): ``True`` at the first element of each
+            chain; element 0 is always a chain start. ``None`` means one
+            chain. (default: :obj:`None`)
+        chunk_size (int, optional): scan chunk length. (default: :obj:`64`)
+        return_final_state (bool, optional): also return the state after the
+            last element (the state of the last chain). (default: :obj:`False`)
+
+    Shapes:
+        - **input:** x (L, H, P), dt (L, H), A (H,), B (L, N), C (L, N),
+          reset (L,)
+        - **output:** y (L, H, P); with ``return_final_state`` also the final
+          state (H, P, N)
+    """
+    _check_scan_inputs(x, dt, A, B, C, reset, chunk_size)
+    L, H, P = x.shape
+    N = B.size(1)
+    if L == 0:
+        y = x.new_zeros(0, H, P)  # (0, H, P)
+        return (y, x.new_zeros(H, P, N)) if return_final_state else y
+
+    out_dtype = x.dtype
+    if out_dtype in (torch.float16, torch.bfloat16):  # log decays need fp32, as in Mamba
+        x, dt, A, B, C = (t.float() for t in (x, dt, A, B, C))
+    starts = chain_starts(reset, L, x.device)  # (L,)
+    x, dt, B, C, starts = _pad_to_chunks(chunk_size, x, dt, B, C, starts)  # length T*Q
+    y, h_final = _scan_chunks(x, dt, A, B, C, starts, chunk_size)  # (T*Q, H, P), (H, P, N)
+    y = y[:L].to(out_dtype)  # (L, H, P)
+    if return_final_state:
+        return y, h_final.to(out_dtype)  # (L, H, P), (H, P, N)
+    return y
+
+
+def _pad_to_chunks(Q: int, x: Tensor, dt: Tensor, B: Tensor, C: Tensor,
+                   starts: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Pads the length to a multiple of ``Q`` with no-op steps: dt = 0 (decay 1), x = B = C = 0, no reset."""
+    pad = -x.size(0) % Q
+    if not pad:
+        return x, dt, B, C, starts
+    return (F.pad(x, (0, 0, 0, 0, 0, pad)),  # (T*Q, H, P)
+            F.pad(dt, (0, 0, 0, pad)),  # (T*Q, H)
+            F.pad(B, (0, 0, 0, pad)),  # (T*Q, N)
+            F.pad(C, (0, 0, 0, pad)),  # (T*Q, N)
+            F.pad(starts, (0, pad)))  # (T*Q,)
+
+
+def _scan_chunks(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, starts: Tensor,
+                 Q: int) -> tuple[Tensor, Tensor]:
+    """The SSD scan of a length that is a multiple of ``Q``: outputs (T*Q, H, P) and the final state (H, P, N)."""
+    T = x.size(0) // Q  # number of chunks
+    H, P, N = x.size(1), x.size(2), B.size(1)
+    xdt = (x * dt.unsqueeze(-1)).view(T, Q, H, P).transpose(1, 2).contiguous()  # (T, H, Q, P)
+    Bc = B.view(T, 1, Q, N)  # (T, 1, Q, N)
+    Cc = C.view(T, 1, Q, N)  # (T, 1, Q, N)
+    startc = starts.view(T, Q)  # (T, Q)
+    chain = startc.long().cumsum(dim=1)  # (T, Q): chain index within the chunk
+    a = (dt * A).view(T, Q, H).transpose(1, 2)  # (T, H, Q): log decay per step
+    a_cum = a.cumsum(dim=-1)  # (T, H, Q): a_0 + ... + a_i within the chunk
+
+    # 1. intra-chunk: y_i += sum_{j <= i, same chain} (C_i.B_j) exp(a_{j+1..i}) dt_j x_j
+    #    The segment sum a_{j+1..i} is a_cum_i - a_cum_j, as in the Mamba-2 kernels;
+    #    masked entries are set to -inf BEFORE exp, so no inf reaches autograd.
+    causal = torch.ones(Q, Q, dtype=torch.bool, device=x.device).tril()  # (Q, Q)
+    keep = (chain.unsqueeze(2) == chain.unsqueeze(1)) & causal  # (T, Q, Q)
+    CB = C.view(T, Q, N) @ B.view(T, Q, N).transpose(-1, -2)  # (T, Q, Q), shared by heads
+    y = _IntraChunk.apply(CB, a_cum, keep, xdt)  # (T, H, Q, P)
+
+    # 2. chunk states: what each chunk leaves behind for the chain it ends in
+    in_last = chain == chain[:, -1:]  # (T, Q): no chain start in (j, Q-1]
+    to_end = a_cum[..., -1:] - a_cum  # (T, H, Q): a_{j+1} + ... + a_{Q-1}
+    to_end = to_end.masked_fill(~in_last.unsqueeze(1), -math.inf)  # (T, H, Q)
+    # weight B (N wide) rather than xdt (P wide): a smaller tensor to make and save
+    S = xdt.transpose(-1, -2) @ (torch.exp(to_end).unsqueeze(-1) * Bc)  # (T, H, P, N)
+
+    # 3. pass states between chunks: h_end[c] = g[c] h_end[c-1] + S[c]
+    g = torch.exp(a_cum[..., -1])  # (T, H): decay over a whole chunk
+    g = g.masked_fill(startc.any(dim=1, keepdim=True), 0.0)  # a chain start cuts it
+    h_end = _linear_scan(g, S)  # (T, H, P, N)
+    h_start = torch.cat([torch.zeros_like(h_end[:1]), h_end[:-1]])  # (T, H, P, N)
+
+    # 4. inter-chunk: y_i += exp(a_{0..i}) h_start C_i, until the first chain start
+    open_chain = chain == 0  # (T, Q): no chain start in [0, i]
+    from_start = a_cum.masked_fill(~open_chain.unsqueeze(1), -math.inf)  # (T, H, Q)
+    Cw = torch.exp(from_start).unsqueeze(-1) * Cc  # (T, H, Q, N): decay folded into C
+    y = torch.baddbmm(y.view(T * H, Q, P), Cw.view(T * H, Q, N),
+                      h_start.view(T * H, P, N).transpose(-1, -2)).view(T, H, Q, P)
+    return y.transpose(1, 2).reshape(T * Q, H, P), h_end[-1]
+
+
+def ssd_scan_sequential(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+                        reset: Tensor | None = None, chunk_size: int = 64,
+                        return_final_state: bool = False,
+                        ) -> Tensor | tuple[Tensor, Tensor]:
+    r"""Reference for :func:`ssd_scan`: the plain recurrence, one step at a time.
+
+    ``h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T`` with ``h = 0`` at each chain
+    start, ``y_t = h_t C_t``. Slow (a Python loop over ``L``) and obviously
+    correct; ``chunk_size`` is accepted for a matching signature and ignored.
+
+    Shapes:
+        - **input:** x (L, H, P), dt (L, H), A (H,), B (L, N), C (L, N),
+          reset (L,)
+        - **output:** y (L, H, P); with ``return_final_state`` also the final
+          state (H, P, N)
+    """
+    _check_scan_inputs(x, dt, A, B, C, reset, chunk_size)
+    L, H, P = x.shape
+    N = B.size(1)
+    starts = chain_starts(reset, L, x.device).tolist()
+    h = x.new_zeros(H, P, N)  # (H, P, N)
+    ys = []
+    for t in range(L):
+        if starts[t]:
+            h = x.new_zeros(H, P, N)  # (H, P, N)
+        decay = torch.exp(dt[t] * A)  # (H,)
+        u = dt[t].unsqueeze(-1) * x[t]  # (H, P)
+        h = decay[:, None, None] * h + u.unsqueeze(-1) * B[t]  # (H, P, N)
+        ys.append(h @ C[t])  # (H, P)
+    y = torch.stack(ys) if ys else x.new_zeros(0, H, P)  # (L, H, P)
+    return (y, h) if return_final_state else y
