@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -54,6 +55,18 @@ def _restrict(maps: Tensor, y: Tensor, transpose: bool = False) -> Tensor:
     if maps.dim() == 2:  # diagonal: F = F^T
         return maps.unsqueeze(-1) * y  # (E, d, f)
     return torch.matmul(maps.transpose(1, 2) if transpose else maps, y)
+
+
+class _Edges(NamedTuple):
+    """The edges of one :meth:`SheafConv.forward`, sorted by destination."""
+
+    index: Tensor  # (2, num_edges); in input order when msg_perm is set
+    type: OptTensor  # (num_edges,)
+    weight: OptTensor  # (num_edges,): alpha
+    ptr: Tensor  # (N + 1,) destination CSR pointer
+    perm: OptTensor  # (num_edges,): sorted = input[perm], to restore the input order
+    msg_perm: OptTensor  # (num_edges,): with message hooks, messages are sorted in aggregate
+    num_edges: int
 
 
 def _weigh(alpha: OptTensor, m: Tensor) -> Tensor:
@@ -380,8 +393,37 @@ class SheafConv(MessagePassing):
         self._check_x(x)
         N = x.size(0)
         d, f = self.stalk_dim, self.channels
+        edges = self._sorted_edges(x, edge_index, edge_type, edge_weight, ptr)
+        src, dst = edges.index  # (num_edges,), (num_edges,)
 
-        perm: OptTensor = None
+        maps_src, maps_dst = self._maps(x, src, dst, edges.type)  # (num_edges, d) for diag, else (num_edges, d, d)
+        transport, self_block = self._transport(maps_src, maps_dst)
+        diag_block = self._diagonal_block(self_block, edges)  # (N, d[, d]) = L_vv
+
+        X = x.view(N, d, f)  # (N, d, f)
+        Y = X @ self.weight_channel  # (N, d, f)
+        if self.weight_stalk is not None:
+            Y = torch.einsum("ij,njf->nif", self.weight_stalk, Y)
+
+        # L_vv Y_v - sum_{e=(u->v)} alpha_e F_v^T F_u Y_u
+        lap = _restrict(diag_block, Y) - self.propagate(
+            edges.index, y=Y, transport=transport, alpha=edges.weight,
+            dst_ptr=edges.ptr, msg_perm=edges.msg_perm, size=(N, N))  # (N, d, f)
+        lap = self._normalize_laplacian(lap, edges)  # (N, d, f)
+        if self.act is not None:
+            lap = self.act(lap)
+        scale = (1.0 + torch.tanh(self.eps)).view(1, d, 1)  # (1, d, 1)
+        out = (scale * X - lap).reshape(N, d * f)  # (N, d * f)
+        if not return_energy:
+            return out
+        return out, self._energy(X, maps_src, maps_dst, edges)
+
+    def _sorted_edges(self, x: Tensor, edge_index: Tensor | SparseTensor,
+                      edge_type: OptTensor, edge_weight: OptTensor,
+                      ptr: OptTensor) -> _Edges:
+        r"""Checks the edge inputs of :meth:`forward`, folds the explain
+        mask into the weights, and sorts the edges by destination."""
+        N = x.size(0)
         if isinstance(edge_index, SparseTensor) or is_torch_sparse_tensor(
                 edge_index):
             edge_index, ptr, value = self._edges_from_adj(edge_index, N)
@@ -390,14 +432,14 @@ class SheafConv(MessagePassing):
         elif edge_index.dim() != 2 or edge_index.size(0) != 2:
             raise ValueError(
                 f"{self.__class__.__name__}: expected edge_index of shape "
-                f"(2, E) (got {tuple(edge_index.shape)})")
-        E_in = edge_index.size(1)
+                f"(2, num_edges) (got {tuple(edge_index.shape)})")
+        num_edges = edge_index.size(1)
         for name, t in (("edge_type", edge_type),
                         ("edge_weight", edge_weight)):
-            if t is not None and t.shape != (E_in,):
+            if t is not None and t.shape != (num_edges,):
                 raise ValueError(
                     f"{self.__class__.__name__}: expected {name} of shape "
-                    f"({E_in},) (got {tuple(t.shape)})")
+                    f"({num_edges},) (got {tuple(t.shape)})")
         if ptr is not None and ptr.shape != (N + 1,):
             raise ValueError(
                 f"{self.__class__.__name__}: expected ptr of shape "
@@ -407,13 +449,13 @@ class SheafConv(MessagePassing):
         # that it removes an edge's whole contribution (both Laplacian
         # blocks), not only the transported message.
         if self.explain:
-            edge_weight = self._explain_weight(edge_weight, E_in, x.dtype)
+            edge_weight = self._explain_weight(edge_weight, num_edges, x.dtype)
 
         # Sort by destination. Normally the edge inputs are permuted (cheap);
         # with message hooks (e.g. AttentionExplainer), messages stay in the
         # input edge order so that `alpha` lines up with the caller's edges,
         # and are permuted in `aggregate` instead.
-        msg_perm: OptTensor = None
+        perm = msg_perm = None
         if ptr is None:
             if self._message_forward_hooks or self._message_forward_pre_hooks:
                 _, ptr, msg_perm = sort_by_destination(
@@ -422,60 +464,62 @@ class SheafConv(MessagePassing):
                 edge_index, edge_type, edge_weight, ptr, perm = \
                     sort_by_destination(edge_index, edge_type, edge_weight,
                                         num_nodes=N, return_perm=True)
-        src, dst = edge_index[0], edge_index[1]  # (E,), (E,)
+        return _Edges(edge_index, edge_type, edge_weight, ptr, perm, msg_perm,
+                      num_edges)
 
-        # Restriction maps, the transport F_v^T F_u and the diagonal block
-        # F_v^T F_v of every edge: (E, d) for diag maps, else (E, d, d).
-        maps_src, maps_dst = self._maps(x, src, dst, edge_type)
+    def _transport(self, maps_src: Tensor,
+                   maps_dst: Tensor) -> tuple[Tensor, Tensor]:
+        r"""The transport :math:`F_v^\top F_u` and the diagonal block
+        :math:`F_v^\top F_v` of every edge: (num_edges, d) for diag maps,
+        else (num_edges, d, d) (orthogonal: the self block is a scalar 1)."""
         if maps_dst.dim() == 2:
-            transport = maps_dst * maps_src  # (E, d)
-            self_block = maps_dst * maps_dst  # (E, d)
-        else:
-            transport = maps_dst.transpose(1, 2) @ maps_src  # (E, d, d)
-            # orthogonal: F_v^T F_v = I, a scalar per edge
-            self_block = (maps_dst.new_ones(maps_dst.size(0), 1)
-                          if self.map_kind == "orthogonal" else
-                          maps_dst.transpose(1, 2) @ maps_dst)  # (E, d, d)
-        if edge_weight is not None:
-            self_block = edge_weight.view((-1,) + (1,) * (
+            return maps_dst * maps_src, maps_dst * maps_dst  # (num_edges, d) each
+        transport = maps_dst.transpose(1, 2) @ maps_src  # (num_edges, d, d)
+        # orthogonal: F_v^T F_v = I, a scalar per edge
+        self_block = (maps_dst.new_ones(maps_dst.size(0), 1)
+                      if self.map_kind == "orthogonal" else
+                      maps_dst.transpose(1, 2) @ maps_dst)  # (num_edges, d, d)
+        return transport, self_block
+
+    @staticmethod
+    def _diagonal_block(self_block: Tensor, edges: _Edges) -> Tensor:
+        r""":math:`\mathbf{L}_{vv} = \sum_{e \to v} \alpha_e F_v^\top F_v`,
+        (N, d) or (N, d, d)."""
+        if edges.weight is not None:
+            self_block = edges.weight.view((-1,) + (1,) * (
                 self_block.dim() - 1)) * self_block
-        if msg_perm is not None:
-            self_block = self_block[msg_perm]
-        diag_block = segment_sum(self_block, ptr)  # (N, d[, d]) = L_vv
+        if edges.msg_perm is not None:
+            self_block = self_block[edges.msg_perm]
+        return segment_sum(self_block, edges.ptr)  # (N, d[, d])
 
-        X = x.view(N, d, f)  # (N, d, f)
-        Y = X @ self.weight_channel  # (N, d, f)
-        if self.weight_stalk is not None:
-            Y = torch.einsum("ij,njf->nif", self.weight_stalk, Y)
-
-        # L_vv Y_v - sum_{e=(u->v)} alpha_e F_v^T F_u Y_u
-        lap = _restrict(diag_block, Y) - self.propagate(
-            edge_index, y=Y, transport=transport, alpha=edge_weight,
-            dst_ptr=ptr, msg_perm=msg_perm, size=(N, N))  # (N, d, f)
-
+    def _normalize_laplacian(self, lap: Tensor, edges: _Edges) -> Tensor:
+        r"""Divides each destination's row by :math:`D_v` (in-edges only)."""
         if self.normalize == "in_degree":
-            deg = ptr.diff().clamp(min=1).to(lap.dtype)  # (N,)
-            lap = lap / deg.view(-1, 1, 1)
-        elif self.normalize == "weight":  # sum of in-edge weights
-            if edge_weight is None:
-                deg = ptr.diff().to(lap.dtype)  # (N,)
+            deg = edges.ptr.diff().clamp(min=1).to(lap.dtype)  # (N,)
+            return lap / deg.view(-1, 1, 1)
+        if self.normalize == "weight":  # sum of in-edge weights
+            if edges.weight is None:
+                deg = edges.ptr.diff().to(lap.dtype)  # (N,)
             else:
-                w = edge_weight if msg_perm is None else edge_weight[msg_perm]
-                deg = segment_sum(w, ptr)  # (N,)
-            lap = lap / deg.masked_fill(deg == 0, 1.0).view(-1, 1, 1)
-        if self.act is not None:
-            lap = self.act(lap)
-        scale = (1.0 + torch.tanh(self.eps)).view(1, d, 1)  # (1, d, 1)
-        out = (scale * X - lap).reshape(N, d * f)  # (N, d * f)
+                w = (edges.weight if edges.msg_perm is None else
+                     edges.weight[edges.msg_perm])
+                deg = segment_sum(w, edges.ptr)  # (N,)
+            return lap / deg.masked_fill(deg == 0, 1.0).view(-1, 1, 1)
+        return lap
 
-        if not return_energy:
-            return out
+    @staticmethod
+    def _energy(X: Tensor, maps_src: Tensor, maps_dst: Tensor,
+                edges: _Edges) -> Tensor:
+        r"""Per-edge gluing energy :math:`\| F_v X_v - F_u X_u \|^2`,
+        (num_edges,) in the input edge order."""
+        src, dst = edges.index
         diff = (_restrict(maps_dst, X[dst])
-                - _restrict(maps_src, X[src]))  # (E, d, f)
-        energy = diff.square().sum(dim=(1, 2))  # (E,)
-        if perm is not None:  # back to the input edge order
-            energy = energy.new_empty(E_in).index_copy(0, perm, energy)
-        return out, energy
+                - _restrict(maps_src, X[src]))  # (num_edges, d, f)
+        energy = diff.square().sum(dim=(1, 2))  # (num_edges,)
+        if edges.perm is not None:  # back to the input edge order
+            energy = energy.new_empty(edges.num_edges).index_copy(
+                0, edges.perm, energy)
+        return energy
 
     def _explain_weight(self, edge_weight: OptTensor, num_edges: int,
                         dtype: torch.dtype) -> Tensor:
