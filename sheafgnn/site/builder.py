@@ -17,6 +17,7 @@ over patch types, cue patterns, indent levels and link lags, never tokens.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -32,6 +33,7 @@ from sheafgnn.site.schema import (
     NODE_TYPES,
     PATCH_TYPES,
     READ_TYPES,
+    EdgeType,
     SiteConfig,
 )
 from sheafgnn.site.tokenizer import ByteTokenizer
@@ -168,96 +170,154 @@ def build_site(text_or_ids: str | bytes | Tensor, config: SiteConfig | None = No
         topic_model = _load_topic_model(str(config.topic_model))
 
     ids = _as_ids(text_or_ids, tokenizer)
-    n = ids.numel()
     b, lengths = tokenizer.token_bytes(ids)
-    token_of_byte = torch.repeat_interleave(_arange(n), lengths, output_size=b.numel())
+    token_of_byte = torch.repeat_interleave(_arange(ids.numel()), lengths, output_size=b.numel())
+    window = _Window(ids, b, token_of_byte)
+    spans, attrs, links = _patches(window, config, topic_model)
+    edges = {e: _empty_edges() for e in EDGE_TYPES}  # every type, in schema order
+    edges.update(links)
+    edges.update(_cover_edges(spans))
+    edges.update(_chain_edges(spans, config.workspace_registers))
+    edges.update(_anchor_edges(spans, config.anchor_scope))
+    edges.update(_read_edges(spans, ids.numel(), config))
+    return _hetero_data(ids, spans, attrs, edges)
 
-    def to_tokens(start: Tensor, end: Tensor) -> Spans:
-        return token_of_byte[start], token_of_byte[end - 1] + 1
 
+class _Window(NamedTuple):
+    """The window of text that a site is built from."""
+
+    ids: Tensor  # (n,) token ids
+    bytes: Tensor  # (nb,) uint8, the bytes of the tokens
+    token_of_byte: Tensor  # (nb,) the token each byte belongs to
+
+    def to_tokens(self, start: Tensor, end: Tensor) -> Spans:
+        """Byte spans -> the spans of the tokens that hold them."""
+        return self.token_of_byte[start], self.token_of_byte[end - 1] + 1
+
+
+def _patches(window: _Window, config: SiteConfig,
+             topic_model: TopicModel | None) -> tuple[dict[str, Spans], dict[str, Tensor], dict[EdgeType, Tensor]]:
+    """Spans of every patch type (time order), their extra attributes, and the link edges."""
+    n, b = window.ids.numel(), window.bytes
     empty: Spans = (torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
     spans: dict[str, Spans] = {p: empty for p in PATCH_TYPES}
     attrs: dict[str, Tensor] = {p: torch.zeros(0, dtype=torch.long) for p in _EXTRA_ATTRS}
-    edges: dict[tuple[str, str, str], Tensor] = {e: _empty_edges() for e in EDGE_TYPES}
-
-    w = config.local_window
-    num_windows = n // w
-    if config.enabled("local"):
-        starts = _arange(num_windows) * w
-        spans["local"] = (starts, starts + w)
-
+    links: dict[EdgeType, Tensor] = {}
     sentence_bytes = rules.sentences(b)
+    if config.enabled("local"):
+        starts = _arange(n // config.local_window) * config.local_window
+        spans["local"] = (starts, starts + config.local_window)
     if config.enabled("sentence"):
-        spans["sentence"] = to_tokens(*sentence_bytes)
-
+        spans["sentence"] = window.to_tokens(*sentence_bytes)
     if config.enabled("syntax"):
-        parts = [rules.brackets(b, config.syntax_max_depth), rules.quotes(b), rules.indent_blocks(b)]
-        start, end = to_tokens(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
-        keep = end - start <= config.syntax_max_span
-        spans["syntax"] = _sort_by_time(start[keep], end[keep])[:2]
-
+        spans["syntax"] = _syntax_spans(window, config)
     if config.enabled("instruction"):
-        spans["instruction"] = _sort_by_time(*to_tokens(*rules.instructions(b, config.instruction_cues)))[:2]
-
+        spans["instruction"] = _sort_by_time(*window.to_tokens(*rules.instructions(b, config.instruction_cues)))[:2]
     if config.enabled("topic") and topic_model is not None and sentence_bytes[0].numel():
-        raw = bytes(b.numpy())
-        texts = [raw[s:e].decode("utf-8", errors="replace")
-                 for s, e in zip(sentence_bytes[0].tolist(), sentence_bytes[1].tolist())]
-        start, end, topic = _sort_by_time(*to_tokens(*sentence_bytes), topic_model.predict(texts))
-        spans["topic"], attrs["topic"] = (start, end), topic
-        edges[("topic", "same_topic", "topic")] = torch.stack(_link_previous(topic, config.topic_links))
-
+        spans["topic"], attrs["topic"], links[("topic", "same_topic", "topic")] = _topic_patches(
+            window, sentence_bytes, topic_model, config.topic_links)
     if config.enabled("memory"):
-        start, end, entity = rules.words(b, config.memory_min_len, config.memory_max_len)
-        start, end, entity = _sort_by_time(*to_tokens(start, end), entity)
-        spans["memory"] = (start, end)
-        edges[("memory", "recurs", "memory")] = torch.stack(_link_previous(entity, config.memory_links))
-
-    m = config.retrieval_key_len
-    if config.enabled("retrieval") and n > m:
-        keys = _window_keys(ids, m)  # (n-m+1,), key of the window ending at t = i+m-1
-        earlier, later = _link_previous(keys, config.retrieval_links)
-        has_match = torch.zeros(n, dtype=torch.bool)
-        has_match[later + m - 1] = True
-        positions = torch.nonzero(has_match).squeeze(1)
-        node_of_position = torch.cumsum(has_match, 0) - 1
-        spans["retrieval"] = (positions - m + 1, positions + 1)
-        # the token right after the earlier match -> the retrieval node at t
-        edges[("token", "recalls", "retrieval")] = torch.stack([earlier + m, node_of_position[later + m - 1]])
-
-    registers = config.workspace_registers
-    if config.enabled("workspace") and num_windows:
-        window = torch.repeat_interleave(_arange(num_windows), registers)  # (num_windows * R,)
-        spans["workspace"] = (window * w, window * w + w)
-        attrs["workspace"] = _arange(num_windows * registers) % registers
+        spans["memory"], links[("memory", "recurs", "memory")] = _memory_patches(window, config)
+    if config.enabled("retrieval") and n > config.retrieval_key_len:
+        spans["retrieval"], links[("token", "recalls", "retrieval")] = _retrieval_patches(window.ids, config)
+    if config.enabled("workspace") and n // config.local_window:
+        spans["workspace"], attrs["workspace"], writes = _workspace_patches(n, config)
         if config.enabled("local"):
-            edges[("local", "writes", "workspace")] = torch.stack([window, _arange(window.numel())])
-
+            links[("local", "writes", "workspace")] = writes
     spans["output"] = (_arange(n), _arange(n) + 1)
+    return spans, attrs, links
 
-    for p in COVERED_TYPES:
-        if spans[p][0].numel():
-            edges[("token", "in", p)] = _cover(spans[p])
+
+def _syntax_spans(window: _Window, config: SiteConfig) -> Spans:
+    """Brackets, quotes and indentation blocks up to ``syntax_max_span`` tokens long."""
+    b = window.bytes
+    parts = [rules.brackets(b, config.syntax_max_depth), rules.quotes(b), rules.indent_blocks(b)]
+    start, end = window.to_tokens(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
+    keep = end - start <= config.syntax_max_span
+    return _sort_by_time(start[keep], end[keep])[:2]
+
+
+def _topic_patches(window: _Window, sentence_bytes: Spans, topic_model: TopicModel,
+                   topic_links: int) -> tuple[Spans, Tensor, Tensor]:
+    """The sentences with their topic ids, and edges to earlier sentences of the same topic."""
+    raw = bytes(window.bytes.numpy())
+    texts = [raw[s:e].decode("utf-8", errors="replace")
+             for s, e in zip(sentence_bytes[0].tolist(), sentence_bytes[1].tolist())]
+    start, end, topic = _sort_by_time(*window.to_tokens(*sentence_bytes), topic_model.predict(texts))
+    return (start, end), topic, torch.stack(_link_previous(topic, topic_links))
+
+
+def _memory_patches(window: _Window, config: SiteConfig) -> tuple[Spans, Tensor]:
+    """Word occurrences, and edges from the previous occurrences of the same word."""
+    start, end, entity = rules.words(window.bytes, config.memory_min_len, config.memory_max_len)
+    start, end, entity = _sort_by_time(*window.to_tokens(start, end), entity)
+    return (start, end), torch.stack(_link_previous(entity, config.memory_links))
+
+
+def _retrieval_patches(ids: Tensor, config: SiteConfig) -> tuple[Spans, Tensor]:
+    """Positions t whose key (the last ``retrieval_key_len`` ids) occurred before, and
+    edges from the token after each earlier match to t (the induction pattern)."""
+    n, m = ids.numel(), config.retrieval_key_len
+    keys = _window_keys(ids, m)  # (n-m+1,), key of the window ending at t = i+m-1
+    earlier, later = _link_previous(keys, config.retrieval_links)
+    has_match = torch.zeros(n, dtype=torch.bool)
+    has_match[later + m - 1] = True
+    positions = torch.nonzero(has_match).squeeze(1)
+    node_of_position = torch.cumsum(has_match, 0) - 1
+    # the token right after the earlier match -> the retrieval node at t
+    recalls = torch.stack([earlier + m, node_of_position[later + m - 1]])
+    return (positions - m + 1, positions + 1), recalls
+
+
+def _workspace_patches(n: int, config: SiteConfig) -> tuple[Spans, Tensor, Tensor]:
+    """``workspace_registers`` registers over each full local window, their register ids,
+    and the edges from each window's local patch to its registers."""
+    w, registers = config.local_window, config.workspace_registers
+    window = torch.repeat_interleave(_arange(n // w), registers)  # (num_windows * R,)
+    register = _arange(window.numel()) % registers
+    writes = torch.stack([window, _arange(window.numel())])
+    return (window * w, window * w + w), register, writes
+
+
+def _cover_edges(spans: dict[str, Spans]) -> dict[EdgeType, Tensor]:
+    """token -> patch 'in' edges of every covered type."""
+    return {("token", "in", p): _cover(spans[p]) for p in COVERED_TYPES if spans[p][0].numel()}
+
+
+def _chain_edges(spans: dict[str, Spans], registers: int) -> dict[EdgeType, Tensor]:
+    """patch -> next patch of the same type; each workspace register chains to itself."""
+    edges = {}
     for p in CHAINED_TYPES:
         count = spans[p][0].numel()
-        lag = registers if p == "workspace" else 1  # each register chains to itself
+        lag = registers if p == "workspace" else 1
         if count > lag:
             edges[(p, "next", p)] = torch.stack([_arange(count - lag), _arange(count - lag) + lag])
-    instr_end = spans["instruction"][1]
-    if instr_end.numel():
-        for p in ANCHORED_TYPES:
-            target_start = spans[p][0]
-            latest = torch.searchsorted(instr_end, target_start, right=True) - 1
-            ok = (latest >= 0) & (target_start - instr_end[latest.clamp(min=0)] < config.anchor_scope)
-            edges[("instruction", "anchors", p)] = torch.stack([latest[ok], _arange(target_start.numel())[ok]])
+    return edges
 
+
+def _anchor_edges(spans: dict[str, Spans], anchor_scope: int) -> dict[EdgeType, Tensor]:
+    """The latest instruction -> each anchored patch that starts within ``anchor_scope`` tokens of its end."""
+    instr_end = spans["instruction"][1]
+    if not instr_end.numel():
+        return {}
+    edges = {}
+    for p in ANCHORED_TYPES:
+        target_start = spans[p][0]
+        latest = torch.searchsorted(instr_end, target_start, right=True) - 1
+        ok = (latest >= 0) & (target_start - instr_end[latest.clamp(min=0)] < anchor_scope)
+        edges[("instruction", "anchors", p)] = torch.stack([latest[ok], _arange(target_start.numel())[ok]])
+    return edges
+
+
+def _read_edges(spans: dict[str, Spans], n: int, config: SiteConfig) -> dict[EdgeType, Tensor]:
+    """Output t reads token t and the latest ``readout_last`` patches of each type with time <= t."""
     positions = _arange(n)
-    edges[("token", "reads", "output")] = torch.stack([positions, positions])
+    edges = {("token", "reads", "output"): torch.stack([positions, positions])}
     for p in READ_TYPES[1:]:
         time = spans[p][1] - 1
         if time.numel() == 0:
             continue
-        last = config.readout_last * (registers if p == "workspace" else 1)
+        last = config.readout_last * (config.workspace_registers if p == "workspace" else 1)
         # Latest node with time <= t: the node ending at t (if any), carried forward.
         latest = torch.full((n,), -1, dtype=torch.long).scatter_reduce_(0, time, _arange(time.numel()), "amax")
         latest = latest.cummax(0).values  # (n,)
@@ -265,7 +325,14 @@ def build_site(text_or_ids: str | bytes | Tensor, config: SiteConfig | None = No
         dst = positions.repeat(last)
         ok = src >= 0
         edges[(p, "reads", "output")] = torch.stack([src[ok], dst[ok]])
+    return edges
 
+
+def _hetero_data(ids: Tensor, spans: dict[str, Spans], attrs: dict[str, Tensor],
+                 edges: dict[EdgeType, Tensor]) -> HeteroData:
+    """The site as a HeteroData: token ids and times, patch spans and times, extra attributes, edges."""
+    n = ids.numel()
+    positions = _arange(n)
     data = HeteroData()
     data["token"].x = ids
     data["token"].pos = positions
