@@ -1,8 +1,24 @@
 r"""SheafStateLM: the Sheaf-State Language Model, M = (C, J, F, Phi, G, E, R).
 
-The site (C, J) comes from :mod:`sheafgnn.site`; the model reads it flat
-(:func:`~sheafgnn.site.flat.flatten_site`). Every node holds a stalk of
-``d_model = stalk_dim * channels`` floats (F). A block is::
+Each symbol of M and the code that implements it:
+
+======  ===============================================  =================================================
+symbol  meaning                                          file: function or class
+======  ===============================================  =================================================
+C, J    the site: typed patches and which cover which    sheafgnn/site/builder.py: ``build_site``;
+                                                         types and rules in sheafgnn/site/schema.py
+F       stalks: d stalk dims x f channels on each node   sheafgnn/nn/sheaf.py: ``SheafConv``
+                                                         (``stalk_dim`` d, ``channels`` f)
+Phi     selective SSM along each chain of states         sheafgnn/nn/ssm.py: ``SelectiveSSM``
+                                                         (scan kernels in sheafgnn/nn/ssm_kernels.py)
+G       sheaf gluing with learned restriction maps       sheafgnn/nn/sheaf.py: ``SheafConv``
+E       site-aware experts, routed by patch type         sheafgnn/nn/experts.py: ``PatchExperts``
+R       readout: output states to next-token logits      sheafgnn/model.py: ``SheafStateLM.readout``
+======  ===============================================  =================================================
+
+The model reads the site flat (:func:`~sheafgnn.site.flat.flatten_site`).
+Every node holds a stalk of ``d_model = stalk_dim * channels`` floats (F).
+A block is::
 
     h (N, D)                                      all nodes: tokens, patches, outputs
     |- Phi  token chain:  h_tok   += SSM(norm(h_tok))          (num_tokens, D)
@@ -12,7 +28,7 @@ The site (C, J) comes from :mod:`sheafgnn.site`; the model reads it flat
     |- G    gluing:       h = SheafConv(h, kept candidates, gates)   learned topology
     |- E    experts:      h += PatchExperts(norm(h))           routed by node type
     '- broadcast:         h_tok += W_out h_out                  output t -> token t
-    R: logits = norm(h_out) @ E_tok^T                            (num_tokens, V), tied
+    R: logits = norm(h_out) @ W_emb^T                            (num_tokens, V), tied to the token embedding
 
 With ``gluing=False`` a block is Phi on tokens and a token feed-forward only:
 the Mamba-style ablation (``ssm`` in the comparisons).
@@ -116,7 +132,7 @@ class SheafBlock(nn.Module):
         # Output t reads token t: its state starts from the token's (the 'token reads output' edge).
         h = torch.cat([h_tok, h_chain, h_patch[num_chained:], h[out] + h_tok])  # (N, D)
 
-        gate, keep = self.topology(h, site.glue_index, site.glue_type)  # (E,), (E,)
+        gate, keep = self.topology(h, site.glue_index, site.glue_type)  # (num_edges,), (num_edges,)
         kept_index = site.glue_index[:, keep]  # still sorted by destination
         kept_ptr = ptr_from_index(kept_index[1], site.num_nodes)
         h, energy = self.glue(h, kept_index, site.glue_type[keep], gate[keep], return_energy=True, ptr=kept_ptr)
@@ -143,7 +159,7 @@ class SheafStateLM(nn.Module):
         super().__init__()
         self.config = config
         D = config.d_model
-        self.token_embedding = nn.Embedding(config.vocab_size, D)
+        self.token_embedding = nn.Embedding(config.vocab_size, D)  # W_emb, tied to the readout R
         self.type_embedding = nn.Embedding(len(FLAT_TYPES), D)  # indexed in the flat order
         self.register_embedding = nn.Embedding(config.site_config.workspace_registers, D)
         self.topic_embedding = nn.Embedding(config.num_topics, D)
@@ -197,8 +213,17 @@ class SheafStateLM(nn.Module):
             h, info = block(h, site)
             infos.append(info)
         h_out = h[site.block("output")] if self.config.gluing else h  # (num_tokens, D)
-        logits = self.norm_out(h_out) @ self.token_embedding.weight.T  # (num_tokens, V)
-        return logits, infos, site
+        return self.readout(h_out), infos, site
+
+    def readout(self, h_out: Tensor) -> Tensor:
+        r"""R: next-token logits from the output states, tied to the token
+        embedding :math:`W_{emb}`: :math:`\mathrm{LayerNorm}(h_{out}) W_{emb}^\top`.
+
+        Shapes:
+            - **input:** h_out :math:`(\text{num\_tokens}, D)`
+            - **output:** logits :math:`(\text{num\_tokens}, V)`
+        """
+        return self.norm_out(h_out) @ self.token_embedding.weight.T  # (num_tokens, V)
 
     def forward(self, data: HeteroData) -> Tensor:
         return self._forward(data)[0]
@@ -221,7 +246,7 @@ class SheafStateLM(nn.Module):
 
         Returns, per candidate edge type, the kept edges in that type's node
         indices with their gates and gluing energies:
-        ``{edge_type: {"edge_index": (2, E_kept), "gate": (E_kept,), "energy": (E_kept,)}}``.
+        ``{edge_type: {"edge_index": (2, num_kept), "gate": (num_kept,), "energy": (num_kept,)}}``.
         """
         if not self.config.gluing:
             raise ValueError("SheafStateLM.topology: this model has gluing switched off (the ssm ablation)")

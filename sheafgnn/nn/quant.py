@@ -32,7 +32,7 @@ values ``none | int8 | int4 | ternary``)::
        |  |- map_lin: Linear (D -> 2H)  -> QuantLinear      maps       per output channel
        |  |- map_out: Linear (H -> P)   -> QuantLinear      maps       (MLP map learner only)
        |  |- map_type_emb: Embedding    stays fp32: an additive bias of the learner
-       |  '- produced maps F_{u<=e}, F_{v<=e}  (E, d) or (E, d, d)
+       |  '- produced maps F_{u<=e}, F_{v<=e}  (num_edges, d) or (num_edges, d, d)
        |                                fake-quantised per edge and side  map_values (default: = maps)
        '- experts: PatchExperts
           |- experts[t][i]: FeedForward
@@ -422,7 +422,7 @@ class QuantSheafConv(SheafConv):
         return q
 
     def _maps(self, x: Tensor, src: Tensor, dst: Tensor, edge_type: Tensor | None) -> tuple[Tensor, Tensor]:
-        f_src, f_dst = super()._maps(x, src, dst, edge_type)  # (E, d) or (E, d, d) each
+        f_src, f_dst = super()._maps(x, src, dst, edge_type)  # (num_edges, d) or (num_edges, d, d) each
         return fake_quantize(f_src, self.map_values), fake_quantize(f_dst, self.map_values)
 
     def __repr__(self) -> str:

@@ -4,9 +4,9 @@ Every reduction in sheafgnn that pools "many rows into one" (messages into
 their destination node, tokens into their patch) runs over rows that are
 sorted by their target and described by a CSR pointer ``ptr``::
 
-    src  (E, *)      rows, sorted by target segment
-    ptr  (S + 1,)    ptr[0] = 0, ptr[-1] = E, ptr[s]:ptr[s+1] = rows of s
-    out  (S, *)      one reduced row per segment (0 for an empty segment)
+    src  (num_rows, *)  rows, sorted by target segment
+    ptr  (S + 1,)       ptr[0] = 0, ptr[-1] = num_rows, ptr[s]:ptr[s+1] = rows of s
+    out  (S, *)         one reduced row per segment (0 for an empty segment)
 
 Two backends give identical results (up to float summation order):
 
@@ -136,7 +136,7 @@ def ptr_from_index(index: Tensor, size: int) -> Tensor:
 
     Args:
         index (torch.Tensor): sorted segment id of every row, shape
-            :math:`(E,)`, values in :math:`[0, \text{size})`.
+            :math:`(\text{num\_rows},)`, values in :math:`[0, \text{size})`.
         size (int): number of segments :math:`S` (explicit: no host sync).
 
     Returns:
@@ -152,7 +152,7 @@ def ptr_from_index(index: Tensor, size: int) -> Tensor:
 
 def index_from_ptr(ptr: Tensor, num_items: int) -> Tensor:
     r"""Expands a CSR pointer :math:`(S + 1,)` to the segment id of every row
-    :math:`(E,)`, with :obj:`num_items` :math:`= E` passed explicitly so that
+    :math:`(\text{num\_items},)`, with :obj:`num_items` passed explicitly so that
     no host sync is needed."""
     num_segments = ptr.numel() - 1
     seg = torch.arange(num_segments, device=ptr.device)  # (S,)
@@ -169,12 +169,12 @@ def sort_by_destination(
     the destination CSR pointer.
 
     Args:
-        edge_index (torch.Tensor): :math:`(2, E)`.
-        *edge_attrs (torch.Tensor or None): per-edge tensors :math:`(E, *)`
+        edge_index (torch.Tensor): :math:`(2, |\mathcal{E}|)`.
+        *edge_attrs (torch.Tensor or None): per-edge tensors :math:`(|\mathcal{E}|, *)`
             permuted along dim 0 the same way; :obj:`None` passes through.
         num_nodes (int): number of destination nodes :math:`N`.
         return_perm (bool, optional): also return the permutation
-            :math:`(E,)` so that ``sorted = original[perm]``; the original
+            :math:`(|\mathcal{E}|,)` so that ``sorted = original[perm]``; the original
             order of a per-edge result ``y`` is ``y.new_empty(...)
             .index_copy_(0, perm, y)`` (default: :obj:`False`)
 
@@ -184,10 +184,10 @@ def sort_by_destination(
     """
     if edge_index.dim() != 2 or edge_index.size(0) != 2:
         raise ValueError(
-            f"sort_by_destination: edge_index must have shape (2, E) "
+            f"sort_by_destination: edge_index must have shape (2, num_edges) "
             f"(got {tuple(edge_index.shape)})")
-    dst = edge_index[1]  # (E,)
-    dst_sorted, perm = torch.sort(dst, stable=True)  # (E,), (E,)
+    dst = edge_index[1]  # (num_edges,)
+    dst_sorted, perm = torch.sort(dst, stable=True)  # (num_edges,), (num_edges,)
     out = [edge_index[:, perm]]
     for attr in edge_attrs:
         out.append(None if attr is None else attr[perm])
@@ -212,19 +212,19 @@ def segment_sum(src: Tensor, ptr: Tensor) -> Tensor:
     r"""Sums the rows of :obj:`src` within each CSR segment.
 
     Args:
-        src (torch.Tensor): :math:`(E, *)`, rows sorted by segment.
+        src (torch.Tensor): :math:`(\text{num\_rows}, *)`, rows sorted by segment.
         ptr (torch.Tensor): :math:`(S + 1,)`, :obj:`ptr[0] = 0`,
-            :obj:`ptr[-1] = E`.
+            :obj:`ptr[-1] = num_rows`.
 
     Returns:
         :math:`(S, *)`; an empty segment gives zeros.
     """
     _check(src, ptr)
     num_segments = ptr.numel() - 1
-    # E == 0 always takes the torch path (cheap, and keeps autograd wired)
+    # no rows: always the torch path (cheap, and keeps autograd wired)
     if resolve_backend() == "torch_scatter" and src.size(0) > 0:
         return _torch_scatter.segment_csr(src, ptr.long(), reduce="sum")
-    index = index_from_ptr(ptr, src.size(0))  # (E,)
+    index = index_from_ptr(ptr, src.size(0))  # (num_rows,)
     out = src.new_zeros((num_segments,) + tuple(src.shape[1:]))  # (S, *)
     return out.index_add(0, index, src)
 
@@ -233,7 +233,7 @@ def segment_mean(src: Tensor, ptr: Tensor) -> Tensor:
     r"""Averages the rows of :obj:`src` within each CSR segment.
 
     Args:
-        src (torch.Tensor): :math:`(E, *)`, rows sorted by segment.
+        src (torch.Tensor): :math:`(\text{num\_rows}, *)`, rows sorted by segment.
         ptr (torch.Tensor): :math:`(S + 1,)`.
 
     Returns:

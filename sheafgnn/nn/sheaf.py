@@ -2,22 +2,24 @@ r"""G: sheaf gluing, a causal sheaf-diffusion :class:`MessagePassing` layer.
 
 Stalks and restriction maps (Neural Sheaf Diffusion, Bodnar et al. 2022)::
 
-    x        (N, d * f)    node features = stalks: d stalk dims x f channels
-    X        (N, d, f)     the same, viewed per stalk dim
-    F_src    (E, d, d)     F_{u <= e}: source stalk -> edge stalk
-    F_dst    (E, d, d)     F_{v <= e}: destination stalk -> edge stalk
-                           (stored as (E, d) for map_kind='diag')
+    x      (N, d * f)          node features = stalks (F): d stalk dims x f channels
+    X      (N, d, f)           the same, viewed per stalk dim
+    F_src  (num_edges, d, d)   F_{u <= e}: source stalk -> edge stalk
+    F_dst  (num_edges, d, d)   F_{v <= e}: destination stalk -> edge stalk
+                               (stored as (num_edges, d) for map_kind='diag')
 
     SheafConv.forward
-      |- sort edges by destination (skipped when `ptr` is given)
-      |- map learner: node-level projections, gathered per edge  (E, P)
-      |   -> restriction maps (diag / orthogonal (Cayley) / general)
-      |   -> transport F_v^T F_u, diagonal block F_v^T F_v       (E, d, d)
-      |- L_vv = segment_sum(alpha_e F_v^T F_v)                   (N, d, d)
-      |- Y = W2 X W1                                             (N, d, f)
-      |- propagate: message  alpha_e F_v^T F_u Y_u (source only) (E, d, f)
-      |             aggregate segment_sum over the CSR ptr       (N, d, f)
-      |- X' = (1 + tanh eps) X - act(D_in^-1 (L_vv Y_v - aggr))  (N, d, f)
+      |- _sorted_edges: check the edges, sort them by destination (skipped when `ptr` is given)
+      |- _maps: the map learner Psi, node-level projections gathered per edge
+      |         -> restriction maps (diag / orthogonal (Cayley) / general)    (num_edges, d, d)
+      |- _transport: F_v^T F_u, and the diagonal block F_v^T F_v              (num_edges, d, d)
+      |- _diagonal_block: L_vv = segment_sum(alpha_e F_v^T F_v)               (N, d, d)
+      |- Y = W2 X W1                                                          (N, d, f)
+      |- propagate: message  alpha_e F_v^T F_u Y_u (source only)              (num_edges, d, f)
+      |             aggregate segment_sum over the CSR ptr                    (N, d, f)
+      |- _normalize_laplacian: D_in^-1 (L_vv Y_v - aggr)                      (N, d, f)
+      |- X' = (1 + tanh eps) X - act(...)                                     (N, d, f)
+      '- _energy (with return_energy): ||F_v X_v - F_u X_u||^2                (num_edges,)
 
 Only in-edges of the destination enter its update, and the normaliser D_in
 counts only those in-edges, so the layer is causal on a causal graph.
@@ -51,9 +53,10 @@ NORMALIZATIONS = ("in_degree", "weight", "none")
 
 def _restrict(maps: Tensor, y: Tensor, transpose: bool = False) -> Tensor:
     r"""Applies per-edge maps to per-edge stalks: :math:`F y` or
-    :math:`F^\top y`; maps (E, d) (diagonal) or (E, d, d), y (E, d, f)."""
+    :math:`F^\top y`; maps (num_edges, d) (diagonal) or (num_edges, d, d),
+    y (num_edges, d, f)."""
     if maps.dim() == 2:  # diagonal: F = F^T
-        return maps.unsqueeze(-1) * y  # (E, d, f)
+        return maps.unsqueeze(-1) * y  # (num_edges, d, f)
     return torch.matmul(maps.transpose(1, 2) if transpose else maps, y)
 
 
@@ -70,7 +73,7 @@ class _Edges(NamedTuple):
 
 
 def _weigh(alpha: OptTensor, m: Tensor) -> Tensor:
-    return m if alpha is None else alpha.view(-1, 1, 1) * m  # (E, d, f)
+    return m if alpha is None else alpha.view(-1, 1, 1) * m  # (num_edges, d, f)
 
 
 class SheafConv(MessagePassing):
@@ -86,20 +89,20 @@ class SheafConv(MessagePassing):
     :math:`e = (u \to v)` of type :math:`\tau_e` has learned restriction maps
 
     .. math::
-        \mathbf{F}_{u \trianglelefteq e} = \Phi(\mathbf{x}_u, \mathbf{x}_v,
+        \mathbf{F}_{u \trianglelefteq e} = \Psi(\mathbf{x}_u, \mathbf{x}_v,
         \tau_e), \qquad
-        \mathbf{F}_{v \trianglelefteq e} = \Phi(\mathbf{x}_v, \mathbf{x}_u,
+        \mathbf{F}_{v \trianglelefteq e} = \Psi(\mathbf{x}_v, \mathbf{x}_u,
         \tau_e) \in \mathbb{R}^{d \times d},
 
-    where :math:`\Phi` is a linear layer (or a one-hidden-layer MLP) on
+    where the map learner :math:`\Psi` is a linear layer (or a one-hidden-layer MLP) on
     :math:`[\mathbf{x}_a \,\|\, \mathbf{x}_b \,\|\,
     \mathrm{emb}(\tau_e)]` followed by :math:`\tanh` and a diagonal embedding
     (:obj:`"diag"`), :math:`\tanh` (:obj:`"general"`), or the Cayley transform
     :math:`(\mathbf{I} + \mathbf{A})^{-1}(\mathbf{I} - \mathbf{A})` of a skew
     matrix :math:`\mathbf{A}` (:obj:`"orthogonal"`: exactly orthogonal, in
-    :math:`SO(d)`). The first layer of :math:`\Phi` is evaluated per node and
+    :math:`SO(d)`). The first layer of :math:`\Psi` is evaluated per node and
     gathered per edge, which equals the per-edge linear layer on the
-    concatenation at :math:`O(|V|)` instead of :math:`O(|E|)` matmul cost.
+    concatenation at :math:`O(|\mathcal{V}|)` instead of :math:`O(|\mathcal{E}|)` matmul cost.
 
     The layer applies the destination's row of the in-edge sheaf Laplacian,
     in matrix form
@@ -281,37 +284,38 @@ class SheafConv(MessagePassing):
     # ------------------------------------------------------------------ #
     def _maps(self, x: Tensor, src: Tensor, dst: Tensor,
               edge_type: OptTensor) -> tuple[Tensor, Tensor]:
-        r"""Compact maps for the edges (src, dst): (E, d) for diag, else
-        (E, d, d); returns (F_src, F_dst)."""
-        d, E = self.stalk_dim, src.numel()
+        r"""The map learner :math:`\Psi`: compact maps for the edges
+        (src, dst), (num_edges, d) for diag, else (num_edges, d, d);
+        returns (F_src, F_dst)."""
+        d, num_edges = self.stalk_dim, src.numel()
         if self.map_lin is None:  # orthogonal, d == 1
-            eye = x.new_ones(E, 1, 1)
+            eye = x.new_ones(num_edges, 1, 1)
             return eye, eye
         H = self._map_width
         node = self.map_lin(x)  # (N, 2H): [x W_a, x W_b]
-        g_src, g_dst = node[src], node[dst]  # (E, 2H) each
+        g_src, g_dst = node[src], node[dst]  # (num_edges, 2H) each
         if edge_type is None:
             emb = self.map_type_emb.weight[0]  # (H,) broadcast
         else:
-            emb = self.map_type_emb(edge_type)  # (E, H)
-        h_src = g_src[:, :H] + g_dst[:, H:] + emb  # (E, H): Phi(x_u, x_v)
-        h_dst = g_dst[:, :H] + g_src[:, H:] + emb  # (E, H): Phi(x_v, x_u)
-        h = torch.cat([h_src, h_dst], dim=0)  # (2E, H)
+            emb = self.map_type_emb(edge_type)  # (num_edges, H)
+        h_src = g_src[:, :H] + g_dst[:, H:] + emb  # (num_edges, H): Psi(x_u, x_v)
+        h_dst = g_dst[:, :H] + g_src[:, H:] + emb  # (num_edges, H): Psi(x_v, x_u)
+        h = torch.cat([h_src, h_dst], dim=0)  # (2 * num_edges, H)
         if self.map_out is not None:
-            h = self.map_out(torch.relu(h))  # (2E, P)
+            h = self.map_out(torch.relu(h))  # (2 * num_edges, P)
 
         if self.map_kind == "diag":
-            maps = torch.tanh(h)  # (2E, d)
+            maps = torch.tanh(h)  # (2 * num_edges, d)
         elif self.map_kind == "general":
-            maps = torch.tanh(h).view(-1, d, d)  # (2E, d, d)
+            maps = torch.tanh(h).view(-1, d, d)  # (2 * num_edges, d, d)
         else:  # Cayley transform of a skew matrix: exactly orthogonal
-            a = h.new_zeros(h.size(0), d, d)  # (2E, d, d)
+            a = h.new_zeros(h.size(0), d, d)  # (2 * num_edges, d, d)
             a[:, self._triu[0], self._triu[1]] = h
             a = a - a.transpose(1, 2)
             eye = torch.eye(d, dtype=h.dtype, device=h.device)
             # solve_ex: no error check, so no host sync (I + A is invertible)
-            maps = torch.linalg.solve_ex(eye + a, eye - a)[0]  # (2E, d, d)
-        return maps[:E], maps[E:]
+            maps = torch.linalg.solve_ex(eye + a, eye - a)[0]  # (2 * num_edges, d, d)
+        return maps[:num_edges], maps[num_edges:]
 
     def restriction_maps(
         self,
@@ -369,19 +373,19 @@ class SheafConv(MessagePassing):
 
         Args:
             x (torch.Tensor): Node stalks :math:`(N, d \cdot f)`.
-            edge_index (torch.Tensor or SparseTensor): :math:`(2, E)` edges
+            edge_index (torch.Tensor or SparseTensor): :math:`(2, |\mathcal{E}|)` edges
                 (source, destination), in any order; or a transposed sparse
                 adjacency (:class:`torch_sparse.SparseTensor` or
                 :class:`torch.sparse.Tensor`) whose values, if any, serve as
                 :obj:`edge_weight`.
-            edge_type (torch.Tensor, optional): :math:`(E,)` ids in
+            edge_type (torch.Tensor, optional): :math:`(|\mathcal{E}|,)` ids in
                 :math:`[0, T)`, in the order of the edges (for a sparse
                 adjacency: its CSR order). (default: :obj:`None`, all type 0)
-            edge_weight (torch.Tensor, optional): :math:`(E,)` weights
+            edge_weight (torch.Tensor, optional): :math:`(|\mathcal{E}|,)` weights
                 :math:`\alpha_e` (the learned-topology gates).
                 (default: :obj:`None`)
             return_energy (bool, optional): Also return the per-edge gluing
-                energy :math:`(E,)` in the input edge order (CSR order for a
+                energy :math:`(|\mathcal{E}|,)` in the input edge order (CSR order for a
                 sparse adjacency).
                 (default: :obj:`False`)
             ptr (torch.Tensor, optional): :math:`(N + 1,)` destination CSR
@@ -542,7 +546,7 @@ class SheafConv(MessagePassing):
 
     def message(self, y_j: Tensor, transport: Tensor,
                 alpha: OptTensor) -> Tensor:
-        # (E, d, f): alpha_e F_v^T F_u y_u, the source stalk transported
+        # (num_edges, d, f): alpha_e F_v^T F_u y_u, the source stalk transported
         return _weigh(alpha, _restrict(transport, y_j))
 
     def aggregate(self, inputs: Tensor, index: Tensor, dst_ptr: Tensor,

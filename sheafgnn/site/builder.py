@@ -389,7 +389,7 @@ def validate_site(data: HeteroData) -> HeteroData:
             raise ValueError(f"validate_site: edge type {edge_type} is missing")
         edge_index = data[edge_type].get("edge_index")
         if not isinstance(edge_index, Tensor) or edge_index.dim() != 2 or edge_index.size(0) != 2:
-            raise ValueError(f"validate_site: {edge_type}.edge_index must have shape (2, E)")
+            raise ValueError(f"validate_site: {edge_type}.edge_index must have shape (2, num_edges)")
         src_type, _, dst_type = edge_type
         src, dst = edge_index
         for index, node_type in ((src, src_type), (dst, dst_type)):

@@ -40,8 +40,8 @@ class FlatSite:
     time: Tensor  # (N,) last token position each node may depend on
     cover_src: Tensor  # (C,) token of each cover edge, sorted by destination
     cover_ptr: Tensor  # (num_patches + 1,) CSR pointer of the cover edges over the patch nodes
-    glue_index: Tensor  # (2, E) candidate edges, sorted by destination
-    glue_type: Tensor  # (E,) index into CANDIDATE_EDGES
+    glue_index: Tensor  # (2, num_edges) candidate edges, sorted by destination
+    glue_type: Tensor  # (num_edges,) index into CANDIDATE_EDGES
     glue_ptr: Tensor  # (N + 1,) CSR pointer of the candidate edges
     token_reset: Tensor  # (num_tokens,) True where a new token chain (graph) starts
     chain_reset: Tensor  # (num_chained,) True where a new patch chain starts
