@@ -400,7 +400,8 @@ class SheafConv(MessagePassing):
         edges = self._sorted_edges(x, edge_index, edge_type, edge_weight, ptr)
         src, dst = edges.index  # (num_edges,), (num_edges,)
 
-        maps_src, maps_dst = self._maps(x, src, dst, edges.type)  # (num_edges, d) for diag, else (num_edges, d, d)
+        # restriction maps: (num_edges, d) each for diag, else (num_edges, d, d)
+        maps_src, maps_dst = self._maps(x, src, dst, edges.type)
         transport, self_block = self._transport(maps_src, maps_dst)
         diag_block = self._diagonal_block(self_block, edges)  # (N, d[, d]) = L_vv
 

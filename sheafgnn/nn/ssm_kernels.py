@@ -306,7 +306,8 @@ def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
 
 def _pad_to_chunks(Q: int, x: Tensor, dt: Tensor, B: Tensor, C: Tensor,
                    starts: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Pads the length to a multiple of ``Q`` with no-op steps: dt = 0 (decay 1), x = B = C = 0, no reset."""
+    """Pads the length to a multiple of ``Q`` with no-op steps:
+    dt = 0 (decay 1), x = B = C = 0, no reset."""
     pad = -x.size(0) % Q
     if not pad:
         return x, dt, B, C, starts
@@ -319,7 +320,10 @@ def _pad_to_chunks(Q: int, x: Tensor, dt: Tensor, B: Tensor, C: Tensor,
 
 def _scan_chunks(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, starts: Tensor,
                  Q: int) -> tuple[Tensor, Tensor]:
-    """The SSD scan of a length that is a multiple of ``Q``: outputs (T*Q, H, P) and the final state (H, P, N)."""
+    """:func:`ssd_scan` on a length that is a multiple of ``Q``.
+
+    Returns the outputs (T*Q, H, P) and the state after the last step (H, P, N).
+    """
     T = x.size(0) // Q  # number of chunks
     H, P, N = x.size(1), x.size(2), B.size(1)
     xdt = (x * dt.unsqueeze(-1)).view(T, Q, H, P).transpose(1, 2).contiguous()  # (T, H, Q, P)
@@ -368,13 +372,8 @@ def ssd_scan_sequential(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
 
     ``h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T`` with ``h = 0`` at each chain
     start, ``y_t = h_t C_t``. Slow (a Python loop over ``L``) and obviously
-    correct; ``chunk_size`` is accepted for a matching signature and ignored.
-
-    Shapes:
-        - **input:** x (L, H, P), dt (L, H), A (H,), B (L, N), C (L, N),
-          reset (L,)
-        - **output:** y (L, H, P); with ``return_final_state`` also the final
-          state (H, P, N)
+    correct. Arguments, shapes and outputs are those of :func:`ssd_scan`;
+    ``chunk_size`` is accepted for a matching signature and ignored.
     """
     _check_scan_inputs(x, dt, A, B, C, reset, chunk_size)
     L, H, P = x.shape
