@@ -6,6 +6,14 @@
                                                                        |
     HeteroData: token / 9 patch node types (time, span), typed edges <--+
 
+    build_site
+      |- _patches: one function per patch rule -> spans, extra attributes, link edges
+      |            (_syntax_spans, _topic_patches, _memory_patches, _retrieval_patches,
+      |             _workspace_patches)
+      |- one function per structural edge family: _cover_edges, _chain_edges,
+      |  _anchor_edges, _read_edges
+      '- _hetero_data: every node and edge type of the schema, empty where the text has none
+
 Every edge src -> dst satisfies ``time[src] <= time[dst]``, and the part of
 the graph with time <= t is the same whatever follows position t: rules
 close a patch only on the byte that proves it closed, links point only to
