@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import math
 import os
 import shutil
@@ -49,12 +48,17 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch_geometric.data import Batch
 from tqdm import tqdm
 
 from sheafgnn.baselines import TransformerConfig, count_parameters, match_width
 from sheafgnn.config import ConfigFile
+from sheafgnn.data import WindowDataset
+from sheafgnn.experiments.report import pyplot, run_report_command, write_report
 from sheafgnn.lm import MODEL_KINDS, build_model
 from sheafgnn.memory import PeakMemory, keep_freed_memory
+from sheafgnn.site import ByteTokenizer, SiteBuilder, SiteConfig, build_site
+from sheafgnn.train import TrainConfig, load_text, resolve_device, train
 
 SWEEP = (1024, 2048, 4096, 8192, 16384, 32768)
 RATIO_AT = (16384, 32768)  # context lengths of the sheaf vs dense speed ratios
@@ -211,18 +215,11 @@ def _in_child(isolate: bool, fn: Callable, *args):
         return pool.submit(fn, *args).result()
 
 
-def _device(config: CompareConfig) -> torch.device:
-    cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-    return torch.device("cuda" if cuda else "cpu")
-
-
 def _site_of(kind: str, config: CompareConfig) -> dict:
     return dict(config.site) if kind == "sheaf" else dict(BASELINE_SITE)
 
 
-def _train_config(config: CompareConfig, kind: str, options: dict):
-    from sheafgnn.train import TrainConfig
-
+def _train_config(config: CompareConfig, kind: str, options: dict) -> TrainConfig:
     steps = math.ceil(config.tokens / (config.batch_size * config.context))
     return TrainConfig(model=kind, model_config=options, site=_site_of(kind, config), corpus=config.corpus,
                        context=config.context, batch_size=config.batch_size, tokens=config.tokens, lr=config.lr,
@@ -246,8 +243,6 @@ def _median_train_tokens_per_s(metrics_csv: Path, overall: float) -> float:
 @torch.no_grad()
 def _inference(model: nn.Module, dataset, config: CompareConfig, device: torch.device) -> dict:
     """Forward-only tokens/s on the first validation windows (site building timed apart)."""
-    from torch_geometric.data import Batch
-
     model.eval()
     n = min(len(dataset), config.inference_batches * config.batch_size)
     build_s = forward_s = 0.0
@@ -268,12 +263,8 @@ def _inference(model: nn.Module, dataset, config: CompareConfig, device: torch.d
             **mem.as_dict("infer_")}
 
 
-def _validation_windows(train_config):
+def _validation_windows(train_config: TrainConfig) -> WindowDataset:
     """The validation windows that ``train`` evaluates on (byte tokenizer)."""
-    from sheafgnn.data import WindowDataset
-    from sheafgnn.site import ByteTokenizer, SiteBuilder, SiteConfig
-    from sheafgnn.train import load_text
-
     ids = ByteTokenizer().encode(load_text(train_config)[1])
     return WindowDataset(ids, train_config.context, SiteBuilder(SiteConfig.from_dict(train_config.site)))
 
@@ -284,13 +275,11 @@ def train_one(config: CompareConfig, kind: str, options: dict) -> dict:
     The model is built exactly as ``train`` would build it (same seed), then
     trained in place so that inference can be timed on the trained weights.
     """
-    from sheafgnn.train import train
-
     train_config = _train_config(config, kind, options)
     out = Path(train_config.out_dir)
     if out.exists():
         shutil.rmtree(out)  # compare owns out_dir/train/<model>; a stale checkpoint would block train()
-    device = _device(config)
+    device = resolve_device(config.device)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     validation = _validation_windows(train_config)
@@ -308,17 +297,12 @@ def train_one(config: CompareConfig, kind: str, options: dict) -> dict:
 
 def _sweep_ids(config: CompareConfig, n: int) -> torch.Tensor:
     """``n + 1`` byte ids of the validation text (repeated when too short)."""
-    from sheafgnn.site import ByteTokenizer
-    from sheafgnn.train import load_text
-
     ids = ByteTokenizer().encode(load_text(_train_config(config, "dense", {}))[1])
     return ids.repeat(math.ceil((n + 1) / ids.numel()))[: n + 1]
 
 
 def _fwd_bwd(model: nn.Module, ids: torch.Tensor, n: int, site_config, device: torch.device) -> tuple[float, float]:
     """(site build s, forward+backward s) of one window of n tokens."""
-    from sheafgnn.site import build_site
-
     t0 = time.perf_counter()
     data = build_site(ids[:n], site_config)
     data["token"].y = ids[1 : n + 1]
@@ -338,9 +322,7 @@ def sweep_one(config: CompareConfig, kind: str, options: dict) -> list[dict]:
     A warm-up pass at the smallest n comes first (not recorded). After the
     first n over ``time_cap_s`` or ``memory_cap_gb`` the larger n are skipped.
     """
-    from sheafgnn.site import SiteConfig
-
-    device = _device(config)
+    device = resolve_device(config.device)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     keep_freed_memory()  # every model alike: speed only (sheafgnn.memory)
@@ -435,9 +417,10 @@ def run_compare(config: CompareConfig) -> dict:
     report = {"config": config.to_dict(), "params": counts, "training": training, "sweep": sweep,
               "ratios": speed_ratios(sweep),
               "caps": {"time_cap_s": config.time_cap_s, "memory_cap_gb": config.memory_cap_gb},
-              "memory_method": next(iter(training.values()))["memory_method"], "device": str(_device(config)),
+              "memory_method": next(iter(training.values()))["memory_method"],
+              "device": str(resolve_device(config.device)),
               "threads": config.num_threads or torch.get_num_threads(), "cpu_count": os.cpu_count()}
-    report["files"] = write_report(report, out)
+    report["files"] = write_report(report, out, "compare", markdown(report), _plot(report, out))
     print("\n" + markdown(report))
     return report
 
@@ -492,7 +475,7 @@ def markdown(report: dict) -> str:
                          f"{r['memory_ratio']:.3f} of dense's ({_mib(r['sheaf_peak_extra_bytes'])} vs "
                          f"{_mib(r['dense_peak_extra_bytes'])} MiB)")
     lines += ["", f"Memory: {report['memory_method']}; 'extra' is the peak minus the resident set at the start of "
-              "the phase (see `sheafgnn.compare`). Each model ran in "
+              "the phase (see `sheafgnn.experiments.compare`). Each model ran in "
               + ("its own fresh process." if cfg["isolate"] else "this one process, one after another (--in-process; "
                  "free memory is trimmed before each phase, but what earlier models left cached can make later "
                  "models' extra memory read low).")]
@@ -500,11 +483,7 @@ def markdown(report: dict) -> str:
 
 
 def _plot(report: dict, out: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     training, sweep = report["training"], report["sweep"]
     kinds = list(training)
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
@@ -540,14 +519,6 @@ def _plot(report: dict, out: Path) -> list[str]:
     return ["training.png", "sweep.png"]
 
 
-def write_report(report: dict, out: Path) -> list[str]:
-    """Write compare.json, compare.md and the plots into ``out``; return the file names."""
-    files = _plot(report, out) + ["compare.md", "compare.json"]
-    (out / "compare.md").write_text(markdown(report) + "\n![training](training.png)\n\n![sweep](sweep.png)\n")
-    (out / "compare.json").write_text(json.dumps({**report, "files": files}, indent=2, default=str))
-    return files
-
-
 # ---------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------
@@ -579,9 +550,8 @@ def parse_compare_args(argv: list[str] | None = None) -> CompareConfig:
 
 def main_compare(argv: list[str] | None = None) -> int:
     """``sheafgnn compare [flags]``; returns the exit status."""
-    from sheafgnn.cli import run_report_command
-
     return run_report_command("sheafgnn compare", parse_compare_args, run_compare, argv)
+
 
 if __name__ == "__main__":
     sys.exit(main_compare())
