@@ -44,18 +44,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils.data import Sampler, Subset
+from torch.optim import AdamW
+from torch.utils.data import Subset
 from torch_geometric.loader import DataLoader
 from tqdm import tqdm
 
 from sheafgnn import checkpoint as ckpt
 from sheafgnn.config import ConfigFile
-from sheafgnn.data import KINDS, WindowDataset, corpus_text
+from sheafgnn.data import KINDS, StepSampler, WindowDataset, train_validation_text
 from sheafgnn.lm import MODEL_KINDS, build_model, config_dict
-from sheafgnn.memory import keep_freed_memory
+from sheafgnn.memory import keep_freed_memory, process_peak_bytes
 from sheafgnn.site import BPETokenizer, ByteTokenizer, SiteBuilder, SiteConfig
 
-HELD_OUT = 0.1  # share of a text-file corpus (its end) held out for validation
 # Fields that fix the model, the data and its order: a resumed run must match them.
 FROZEN = ("model", "model_config", "site", "corpus", "tokenizer", "bpe_vocab_size", "context", "batch_size", "seed")
 
@@ -152,22 +152,13 @@ def load_tokenizer(config: TrainConfig, train_text: str | None = None):
     return BPETokenizer.load(path)
 
 
-def load_text(config: TrainConfig) -> tuple[str, str]:
-    """(train, validation) text of the configured corpus."""
-    if config.corpus in KINDS:
-        return corpus_text(config.corpus, "train"), corpus_text(config.corpus, "validation")
-    text = Path(config.corpus).read_text(encoding="utf-8", errors="replace")
-    cut = int(len(text) * (1 - HELD_OUT))
-    return text[:cut], text[cut:]
-
-
 def build_datasets(config: TrainConfig, rank: int = 0, world: int = 1) -> tuple[object, dict[str, WindowDataset]]:
     """The tokenizer and the ``train`` / ``validation`` window datasets of ``config``.
 
     With ``tokenizer: bpe`` rank 0 trains the tokenizer (once per out_dir) while
     the other ranks wait.
     """
-    train_text, val_text = load_text(config)
+    train_text, val_text = train_validation_text(config.corpus)
     tokenizer = load_tokenizer(config, train_text) if rank == 0 else None
     if world > 1 and config.tokenizer == "bpe":
         dist.barrier()
@@ -182,40 +173,6 @@ def build_datasets(config: TrainConfig, rank: int = 0, world: int = 1) -> tuple[
                              f"not enough for one window of context {config.context}")
         datasets[split] = WindowDataset(ids, config.context, builder)
     return tokenizer, datasets
-
-
-class StepSampler(Sampler[list[int]]):
-    """This rank's window indices for every step from ``start_step`` on (endless).
-
-    Global batch ``s`` is ``perm_e[k * B : (k + 1) * B]`` with ``e, k = divmod(s,
-    n // B)`` and ``perm_e`` a permutation seeded by (seed, e); rank r takes the
-    r-th of ``world_size`` equal slices. The last ``n % B`` windows of an epoch
-    are dropped.
-    """
-
-    def __init__(self, num_windows: int, batch_size: int, seed: int, start_step: int = 0,
-                 rank: int = 0, world_size: int = 1) -> None:
-        if num_windows < batch_size:
-            raise ValueError(f"StepSampler: {num_windows} windows are fewer than batch_size={batch_size}; "
-                             "use a larger corpus, a shorter context or a smaller batch")
-        if batch_size % world_size != 0:
-            raise ValueError(f"StepSampler: batch_size={batch_size} must be a multiple of the {world_size} processes")
-        self.n, self.batch_size, self.seed, self.start_step = num_windows, batch_size, seed, start_step
-        self.rank, self.world_size = rank, world_size
-
-    def permutation(self, epoch: int) -> Tensor:
-        return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch))
-
-    def __iter__(self):
-        per_epoch, local = self.n // self.batch_size, self.batch_size // self.world_size
-        step, epoch, perm = self.start_step, -1, None
-        while True:
-            e, k = divmod(step, per_epoch)
-            if e != epoch:
-                epoch, perm = e, self.permutation(e)
-            start = k * self.batch_size + self.rank * local
-            yield perm[start : start + local].tolist()
-            step += 1
 
 
 # ---------------------------------------------------------------------------
@@ -253,22 +210,13 @@ def train_step(model: nn.Module, batch, optimizer: torch.optim.Optimizer, *, lr:
                loss_fn: Callable | None = None, bf16: bool = False, world: int = 1) -> StepResult:
     """One optimizer step, the one every training loop of the project takes.
 
-    Sets ``lr`` on every parameter group, computes the loss (``loss_fn(batch)``,
-    by default ``model.loss(batch)``; under bfloat16 autocast with ``bf16``),
-    back-propagates, clips the global gradient norm to ``grad_clip`` (0: no
-    clipping), steps the optimizer unless the loss or the gradient norm is
-    not finite (then the update is skipped), and zeroes the gradients.
-
-    Args:
-        model (nn.Module): whose parameters are clipped (and whose ``loss`` is the default).
-        batch: what ``loss_fn`` takes, already on the model's device.
-        optimizer (torch.optim.Optimizer): over ``model``'s parameters.
-        lr (float): learning rate of this step.
-        grad_clip (float): largest global gradient norm; 0: no clipping.
-        loss_fn (Callable, optional): batch -> scalar loss, e.g. a DDP-wrapped
-            module (default: :obj:`model.loss`).
-        bf16 (bool): bfloat16 autocast for the loss (default: :obj:`False`).
-        world (int): processes; > 1 averages the reported loss over them (default: :obj:`1`).
+    Sets ``lr`` on every parameter group; computes ``loss_fn(batch)`` (default:
+    ``model.loss``, e.g. a DDP-wrapped module instead), under bfloat16 autocast
+    with ``bf16``; back-propagates; clips the global gradient norm of
+    ``model``'s parameters to ``grad_clip`` (0: no clipping); steps the
+    optimizer unless the loss or the gradient norm is not finite (the update
+    is skipped); zeroes the gradients. With ``world`` > 1 processes the
+    reported loss is their mean. ``batch`` is already on the model's device.
     """
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -476,7 +424,6 @@ def _train(config: TrainConfig, resume: bool, model: nn.Module | None, rank: int
         config.save(out_dir / "config.yaml")
     loader, val_loader = _loaders(config, datasets, step, rank, world, device)
     val_batches = None  # built on first use, then reused: the same windows every time
-
     loss_fn = _Loss(model) if world == 1 else nn.parallel.DistributedDataParallel(
         _Loss(model), find_unused_parameters=config.ddp_find_unused)
     if device.type == "cuda":
@@ -530,7 +477,7 @@ def _train(config: TrainConfig, resume: bool, model: nn.Module | None, rank: int
     elapsed = time.perf_counter() - t_start
     return {"step": step, "tokens": step * tokens_per_step, "train_loss": history.get(step, math.nan),
             **metrics, "tokens_per_s": len(history) * tokens_per_step / max(elapsed, 1e-9), "elapsed_s": elapsed,
-            "peak_memory_bytes": _peak_memory(device), "params": n_params, "skipped_steps": skipped,
+            "peak_memory_bytes": process_peak_bytes(device), "params": n_params, "skipped_steps": skipped,
             "checkpoint": str(checkpoint_path or ""), "history": history}
 
 
@@ -541,8 +488,7 @@ def _lr(step: int, config: TrainConfig) -> float:
 
 
 def _checkpoint_to_resume(ckpt_dir: Path, resume: bool) -> Path | None:
-    """The latest checkpoint in ``ckpt_dir`` when resuming; refuse a resume without one, or a fresh
-    run over one."""
+    """The checkpoint to resume (None for a fresh run); refuses a resume without one, a fresh run over one."""
     latest = ckpt.latest_checkpoint(ckpt_dir)
     if resume and latest is None:
         raise ckpt.CheckpointError(f"nothing to resume: no checkpoint in {ckpt_dir}")
@@ -553,15 +499,13 @@ def _checkpoint_to_resume(ckpt_dir: Path, resume: bool) -> Path | None:
 
 
 def _model_and_optimizer(config: TrainConfig, model: nn.Module | None, vocab_size: int, latest: Path | None,
-                         device: torch.device, rank: int, world: int) -> tuple[nn.Module, torch.optim.Optimizer,
-                                                                               int, dict]:
+                         device: torch.device, rank: int, world: int) -> tuple[nn.Module, AdamW, int, dict]:
     """The model (built from ``config`` unless given) and its AdamW on ``device``, at checkpoint ``latest``
     when resuming. Returns (model, optimizer, step, metrics)."""
     torch.manual_seed(config.seed)  # the same initial weights on every rank
     model = (model if model is not None else build_model(config.model, config.model_config, vocab_size,
                                                          config.site)).to(device)
-    optimizer = torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.lr,
-                                  betas=(config.beta1, config.beta2))
+    optimizer = AdamW(param_groups(model, config.weight_decay), lr=config.lr, betas=(config.beta1, config.beta2))
     torch.manual_seed(config.seed + rank)  # dropout streams differ between ranks
     if latest is None:
         return model, optimizer, 0, {}
@@ -627,15 +571,6 @@ def _save(config: TrainConfig, step: int, model: nn.Module, optimizer: torch.opt
              "scheduler": {"step": step, "lr": _lr(step - 1, config)}, "rng": rngs, "world_size": world,
              "metrics": metrics}
     return ckpt.save_checkpoint(Path(config.out_dir) / "checkpoints", step, model, state, config.keep_checkpoints)
-
-
-def _peak_memory(device: torch.device) -> int:
-    """Peak bytes: CUDA memory allocated on ``device``, or this process's peak resident set on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 # ---------------------------------------------------------------------------

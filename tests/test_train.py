@@ -21,11 +21,10 @@ from torch import nn
 
 from sheafgnn.baselines import CausalTransformer, TransformerConfig
 from sheafgnn.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
-from sheafgnn.data import WindowDataset
+from sheafgnn.data import StepSampler, WindowDataset
 from sheafgnn.lm import SequenceLM, build_model
 from sheafgnn.site import ByteTokenizer, SiteBuilder, SiteConfig
 from sheafgnn.train import (
-    StepSampler,
     TrainConfig,
     TrainingDiverged,
     cosine_lr,

@@ -31,7 +31,6 @@ for that model, and the report states the caps.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import math
 import os
@@ -53,12 +52,12 @@ from tqdm import tqdm
 
 from sheafgnn.baselines import TransformerConfig, count_parameters, match_width
 from sheafgnn.config import ConfigFile
-from sheafgnn.data import WindowDataset
-from sheafgnn.experiments.report import pyplot, run_report_command, write_report
+from sheafgnn.data import WindowDataset, train_validation_text
+from sheafgnn.experiments.report import config_from_args, pyplot, report_parser, run_report_command, write_report
 from sheafgnn.lm import MODEL_KINDS, build_model
 from sheafgnn.memory import PeakMemory, keep_freed_memory
 from sheafgnn.site import ByteTokenizer, SiteBuilder, SiteConfig, build_site
-from sheafgnn.train import TrainConfig, load_text, resolve_device, train
+from sheafgnn.train import TrainConfig, resolve_device, train
 
 SWEEP = (1024, 2048, 4096, 8192, 16384, 32768)
 RATIO_AT = (16384, 32768)  # context lengths of the sheaf vs dense speed ratios
@@ -265,7 +264,7 @@ def _inference(model: nn.Module, dataset, config: CompareConfig, device: torch.d
 
 def _validation_windows(train_config: TrainConfig) -> WindowDataset:
     """The validation windows that ``train`` evaluates on (byte tokenizer)."""
-    ids = ByteTokenizer().encode(load_text(train_config)[1])
+    ids = ByteTokenizer().encode(train_validation_text(train_config.corpus)[1])
     return WindowDataset(ids, train_config.context, SiteBuilder(SiteConfig.from_dict(train_config.site)))
 
 
@@ -297,7 +296,7 @@ def train_one(config: CompareConfig, kind: str, options: dict) -> dict:
 
 def _sweep_ids(config: CompareConfig, n: int) -> torch.Tensor:
     """``n + 1`` byte ids of the validation text (repeated when too short)."""
-    ids = ByteTokenizer().encode(load_text(_train_config(config, "dense", {}))[1])
+    ids = ByteTokenizer().encode(train_validation_text(config.corpus)[1])
     return ids.repeat(math.ceil((n + 1) / ids.numel()))[: n + 1]
 
 
@@ -420,7 +419,7 @@ def run_compare(config: CompareConfig) -> dict:
               "memory_method": next(iter(training.values()))["memory_method"],
               "device": str(resolve_device(config.device)),
               "threads": config.num_threads or torch.get_num_threads(), "cpu_count": os.cpu_count()}
-    report["files"] = write_report(report, out, "compare", markdown(report), _plot(report, out))
+    report["files"] = write_report(report, out, "compare", markdown(report), _figures(report))
     print("\n" + markdown(report))
     return report
 
@@ -482,11 +481,12 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _plot(report: dict, out: Path) -> list[str]:
+def _figures(report: dict) -> dict:
+    """The report's figures by file name: training.png (bits per byte, tokens/s, memory), sweep.png."""
     plt = pyplot()
     training, sweep = report["training"], report["sweep"]
     kinds = list(training)
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    training_fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     axes[0].bar(kinds, [training[k]["val_bpb"] for k in kinds], color="tab:blue")
     axes[0].set_title("validation bits per byte")
     x = range(len(kinds))
@@ -497,11 +497,8 @@ def _plot(report: dict, out: Path) -> list[str]:
     axes[1].legend()
     axes[2].bar(kinds, [training[k]["train_peak_extra_bytes"] / MIB for k in kinds], color="tab:red")
     axes[2].set_title("peak extra memory in training (MiB)")
-    fig.tight_layout()
-    fig.savefig(out / "training.png", dpi=120)
-    plt.close(fig)
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    sweep_fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for kind, points in sweep.items():
         done = [p for p in points if not p["skipped"]]
         axes[0].plot([p["n"] for p in done], [p["fwd_bwd_s"] for p in done], "o-", label=kind)
@@ -513,10 +510,7 @@ def _plot(report: dict, out: Path) -> list[str]:
         ax.set_xlabel("context length n")
         ax.set_title(title)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "sweep.png", dpi=120)
-    plt.close(fig)
-    return ["training.png", "sweep.png"]
+    return {"training.png": training_fig, "sweep.png": sweep_fig}
 
 
 # ---------------------------------------------------------------------------
@@ -526,26 +520,13 @@ def _plot(report: dict, out: Path) -> list[str]:
 
 def parse_compare_args(argv: list[str] | None = None) -> CompareConfig:
     """``sheafgnn compare`` flags -> a :class:`CompareConfig` (``--quick`` starts from the toy preset)."""
-    parser = argparse.ArgumentParser(prog="sheafgnn compare", description="sheaf vs dense, local and ssm at equal "
-                                     "parameters and tokens: training, speed, memory and a context sweep")
-    parser.add_argument("--quick", action="store_true", help="toy sizes that run in seconds")
-    parser.add_argument("--out", dest="out_dir", help="output folder (default: runs/compare)")
+    parser = report_parser("sheafgnn compare", "sheaf vs dense, local and ssm at equal parameters and tokens: "
+                           "training, speed, memory and a context sweep", CompareConfig, "runs/compare")
     parser.add_argument("--in-process", action="store_true", help="run every model in this process, not a fresh "
                         "one each (faster start; peak memory is still reset per phase)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    parser.add_argument("--config", help="a CompareConfig as YAML, TOML or JSON (flags override it)")
     CompareConfig.add_arguments(parser, skip=("out_dir", "isolate", "progress"))
     namespace = parser.parse_args(argv)
-    args = vars(namespace)
-    base = CompareConfig.load(args["config"]).to_dict() if args["config"] else {}
-    values = CompareConfig.given_values(namespace)
-    if args["in_process"]:
-        values["isolate"] = False
-    if args["no_progress"]:
-        values["progress"] = False
-    if args["quick"]:
-        return CompareConfig.quick(**{**base, **values})
-    return CompareConfig(**{**base, **values})
+    return config_from_args(CompareConfig, namespace, **({"isolate": False} if namespace.in_process else {}))
 
 
 def main_compare(argv: list[str] | None = None) -> int:

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 from torch_geometric.data import HeteroData
 
-from sheafgnn.experiments.report import pyplot
+from sheafgnn.experiments.report import pyplot, save_figure
 from sheafgnn.relations import dense_relations, relation_matrix, topology_graph
 from sheafgnn.site import CANDIDATE_EDGES, NODE_TYPES, ByteTokenizer, SiteConfig, build_site, validate_site
 from sheafgnn.site.schema import EdgeType
@@ -331,9 +331,7 @@ def plot_arcs(topology: Topology, data: HeteroData, path, tokenizer=None, max_ar
     ax.set_yticks([])
     ax.set_xlabel("token position")
     ax.set_title(title or "Topology over the text (colour: edge type; opacity and width: gate)")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _density(matrix, n: int, bins: int) -> np.ndarray:

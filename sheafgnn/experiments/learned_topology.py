@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch_geometric.data import Batch, HeteroData
 
-from sheafgnn.experiments.report import fit_exponent, pyplot, write_json
+from sheafgnn.experiments.report import fit_exponent, label_loglog, power_law_label, pyplot, save_figure, write_json
 from sheafgnn.experiments.synthetic import (
     PAPER,
     GeneratorConfig,
@@ -292,16 +292,12 @@ def run_learned(n_train: int = 1 << 19, n_eval: int = 32768, steps: int = 4500, 
                 site_config: SiteConfig | None = None, log_every: int = 50, verbose: bool = False) -> dict:
     """Train a :class:`~sheafgnn.model.SheafStateLM` on synthetic sequences; score its learned topology.
 
-    The model reads the site that the simulation uses (default:
-    :func:`matched_site_config`) and learns, per candidate edge, a gate and a
-    top-k choice (:class:`~sheafgnn.nn.topology.TopologyScorer`). After
-    next-token training with AdamW (:func:`train_learned`) on independent
-    training sequences, the topology of every block, merged
-    (:func:`learned_topology`), on an evaluation sequence (seed ``seed``, the
-    one :func:`run_table` scores) is thresholded and scored against G* with
-    the definitions and hops of the designed site: a kept edge is one
-    relation-graph edge, the site's fixed edges (cover, ``token reads
-    output``) and the token stream stay (:func:`topology_graph`).
+    The model learns, per candidate edge of its site, a gate and a top-k choice
+    (:class:`~sheafgnn.nn.topology.TopologyScorer`). After :func:`train_learned`,
+    every block's topology, merged (:func:`learned_topology`), on an evaluation
+    sequence (seed ``seed``, the one the paper's table scores) is thresholded and
+    scored against G* like the designed site: a kept edge is one relation-graph
+    edge; the fixed edges and the stream stay (:func:`~sheafgnn.relations.topology_graph`).
 
     Args:
         n_train (int): training tokens: ``n_train // (window + 1)`` independent sequences of
@@ -311,16 +307,14 @@ def run_learned(n_train: int = 1 << 19, n_eval: int = 32768, steps: int = 4500, 
         n_eval (int): tokens of the evaluation sequence (default: :obj:`32768`).
         steps (int): optimizer steps (default: :obj:`4500`, about 8 minutes on one CPU thread).
         seed (int): evaluation sequence, model init and window order (default: :obj:`0`).
-        window (int): tokens per training window (default: :obj:`1024`).
-        batch (int): windows per step (default: :obj:`1`).
+        window, batch (int): tokens per training window, windows per step (default: :obj:`1024`, :obj:`1`).
         lr (float): peak AdamW learning rate; 5% warm-up, cosine to lr / 10 (default: :obj:`5e-3`).
         d_model, n_layers, topology_k, gate_penalty: the model (:func:`learned_model_config`).
         penalty_ramp (float): the gate penalty grows linearly from 0 to ``gate_penalty`` over this
             share of the steps, so that edges become useful before they are pruned (default: :obj:`0.5`).
         hops (int): H of the relations (default: :obj:`3`, one block).
-        thresholds (tuple): gate thresholds reported in full (default: :data:`LEARNED_THRESHOLDS`).
-        growth_ns (tuple): lengths at which the learned topology's edges are counted.
-        sweep (tuple): thresholds of the coverage-waste curve.
+        thresholds, growth_ns, sweep (tuple): gate thresholds reported in full (default:
+            :data:`LEARNED_THRESHOLDS`), lengths at which edges are counted, the coverage-waste curve's thresholds.
         max_seconds (float, optional): stop training after this long (the steps done are reported).
         config (GeneratorConfig, optional): generator densities.
         site_config (SiteConfig, optional): the site's rules (default: :func:`matched_site_config`).
@@ -328,12 +322,10 @@ def run_learned(n_train: int = 1 << 19, n_eval: int = 32768, steps: int = 4500, 
         verbose (bool): print progress.
 
     Returns:
-        dict with ``model_config``, ``train`` (steps, seconds, loss curve),
-        ``loss_before`` / ``loss_after`` (eval next-token loss, overall and by
-        target kind), ``designed`` (the site's row), ``untrained`` and
-        ``learned`` (threshold name -> coverage, waste, relations, edges, ...),
-        ``references`` (``fixed_only``: no candidate edges; ``oracle``:
-        :func:`oracle_topology`), ``sweep``, ``gates`` (:func:`gate_stats`),
+        dict with the settings, ``train`` (:func:`train_learned`), ``loss_before`` / ``loss_after``
+        (:func:`next_token_loss`), scored rows ``designed``, ``untrained`` and ``learned`` (threshold
+        name -> coverage, waste, relations, edges, ...), ``references`` (``fixed_only``: no candidate
+        edges; ``oracle``: :func:`oracle_topology`), ``sweep``, ``gates`` (:func:`gate_stats`),
         ``growth`` (edges per n and fitted slopes) and ``seconds``.
     """
     if window < 16 or n_train < window + 1:
@@ -348,7 +340,6 @@ def run_learned(n_train: int = 1 << 19, n_eval: int = 32768, steps: int = 4500, 
     seq = generate(n_eval, seed, config)
     data = _eval_site(seq, site_config)
     log = lambda msg: print(msg, flush=True) if verbose else None
-
     loss_before = next_token_loss(model, data, seq)
     untrained_topology = learned_topology(model, data)
     untrained = _threshold_rows(untrained_topology, data, seq, hops, thresholds)
@@ -361,21 +352,15 @@ def run_learned(n_train: int = 1 << 19, n_eval: int = 32768, steps: int = 4500, 
     topology = learned_topology(model, data)
     scores = _score_learned(topology, data, seq, hops, thresholds, sweep)
     growth = _growth(model, growth_ns, seed, config, site_config, hops, thresholds, log)
-    return {
-        "n_train": n_train, "n_eval": n_eval, "seed": seed, "hops": hops, "window": window, "batch": batch,
-        "lr": lr, "generator": asdict(seq.config), "site_config": site_config.to_dict(),
-        "model_config": model_config.to_dict(),
-        "parameters": sum(p.numel() for p in model.parameters()), "deps": seq.dep_counts(),
-        "train": train,
-        "loss_before": loss_before, "loss_after": loss_after,
-        "designed": scores["designed"], "untrained": untrained, "learned": scores["learned"],
-        "references": scores["references"], "sweep": scores["sweep"],
-        "gates": gate_stats(topology, seq), "gates_untrained": gate_stats(untrained_topology, seq),
-        "growth": growth, "targets": dict(TARGETS),
-        "waste_floor_at_target_coverage": waste_floor(scores["references"]["fixed_only"], int(seq.src.numel()),
-                                                      TARGETS["coverage"]),
-        "seconds": time.perf_counter() - start_all,
-    }
+    floor = waste_floor(scores["references"]["fixed_only"], int(seq.src.numel()), TARGETS["coverage"])
+    return {"n_train": n_train, "n_eval": n_eval, "seed": seed, "hops": hops, "window": window, "batch": batch,
+            "lr": lr, "generator": asdict(seq.config), "site_config": site_config.to_dict(),
+            "model_config": model_config.to_dict(), "parameters": sum(p.numel() for p in model.parameters()),
+            "deps": seq.dep_counts(), "train": train, "loss_before": loss_before, "loss_after": loss_after,
+            "designed": scores["designed"], "untrained": untrained, "learned": scores["learned"],
+            "references": scores["references"], "sweep": scores["sweep"], "gates": gate_stats(topology, seq),
+            "gates_untrained": gate_stats(untrained_topology, seq), "growth": growth, "targets": dict(TARGETS),
+            "waste_floor_at_target_coverage": floor, "seconds": time.perf_counter() - start_all}
 
 
 def _score_learned(topology: dict, data: HeteroData, seq: SyntheticSequence, hops: int,
@@ -469,18 +454,13 @@ def plot_learned(result: dict, path) -> None:
     for i, name in enumerate(["designed", *names]):
         slope = growth[name].get("edges_slope")
         ax.loglog(growth["ns"], growth[name]["edges"], "-o", ms=3, color=plt.get_cmap("tab10")(i),
-                  label=f"{name} edges ($\\propto n^{{{slope:.2f}}}$)" if slope is not None else name)
+                  label=power_law_label(f"{name} edges", slope) if slope is not None else name)
         if name != "designed":
             cand = [max(v, 1) for v in growth[name]["candidate_edges"]]
             ax.loglog(growth["ns"], cand, ":", color=plt.get_cmap("tab10")(i), lw=1)
-    ax.set_xlabel("sequence length n")
-    ax.set_ylabel("relation-graph edges (dotted: kept candidates)")
-    ax.set_title("learned topology: edges against n")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    label_loglog(ax, "sequence length n", "relation-graph edges (dotted: kept candidates)",
+                 "learned topology: edges against n", 6)
+    save_figure(fig, path)
 
 
 def format_learned(result: dict) -> str:

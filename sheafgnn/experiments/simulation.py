@@ -41,7 +41,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from sheafgnn.experiments.learned_topology import main_learned
-from sheafgnn.experiments.report import fit_exponent, pyplot, write_json
+from sheafgnn.experiments.report import fit_exponent, label_loglog, power_law_label, pyplot, save_figure, write_json
 from sheafgnn.experiments.synthetic import (
     PAPER,
     GeneratorConfig,
@@ -149,15 +149,9 @@ def plot_scaling(result: dict, path) -> None:
         if pts:
             slope = fit_exponent(*map(list, zip(*pts)))
             ax.loglog(*zip(*pts), style, marker="o", ms=3, color=color,
-                      label=f"{label}  ($\\propto n^{{{slope:.2f}}}$)" if slope is not None else label)
-    ax.set_xlabel("sequence length n (tokens)")
-    ax.set_ylabel("edges / relations")
-    ax.set_title("Relations against context length")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+                      label=power_law_label(label, slope))
+    label_loglog(ax, "sequence length n (tokens)", "edges / relations", "Relations against context length", 8)
+    save_figure(fig, path)
 
 
 

@@ -52,7 +52,6 @@ The baselines read token ids only; their sites are built with no patch types
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -67,7 +66,7 @@ from tqdm import tqdm
 
 from sheafgnn.config import ConfigFile
 from sheafgnn.experiments.compare import BASELINE_SITE, count_model_parameters, matched_options, print_parameter_counts
-from sheafgnn.experiments.report import pyplot, run_report_command, write_report
+from sheafgnn.experiments.report import config_from_args, pyplot, report_parser, run_report_command, write_report
 from sheafgnn.experiments.tasks import IGNORE_INDEX, induction_heads, mqar, selective_copying
 from sheafgnn.lm import MODEL_KINDS, build_model
 from sheafgnn.memory import keep_freed_memory
@@ -344,7 +343,7 @@ def run_tasks(config: TasksConfig) -> dict:
     tasks = {name: run_task(spec, config) for name, spec in task_specs(config).items()}
     report = {"config": config.to_dict(), "tasks": tasks, "elapsed_s": time.perf_counter() - start,
               "threads": torch.get_num_threads()}
-    report["files"] = write_report(report, out, "tasks", markdown(report), _plot(report, out))
+    report["files"] = write_report(report, out, "tasks", markdown(report), _figures(report))
     print("\n" + markdown(report))
     return report
 
@@ -422,9 +421,10 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _plot(report: dict, out: Path) -> list[str]:
+def _figures(report: dict) -> dict:
+    """The report's figures by file name: induction.png (accuracy against test length), when run."""
     if "induction_heads" not in report["tasks"]:
-        return []
+        return {}
     plt = pyplot()
     task = report["tasks"]["induction_heads"]
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -439,10 +439,7 @@ def _plot(report: dict, out: Path) -> list[str]:
     ax.set_ylabel("accuracy")
     ax.set_title("induction heads")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "induction.png", dpi=120)
-    plt.close(fig)
-    return ["induction.png"]
+    return {"induction.png": fig}
 
 
 # ---------------------------------------------------------------------------
@@ -452,28 +449,16 @@ def _plot(report: dict, out: Path) -> list[str]:
 
 def parse_tasks_args(argv: list[str] | None = None) -> TasksConfig:
     """``sheafgnn tasks`` flags -> a :class:`TasksConfig` (``--quick`` starts from the toy preset)."""
-    parser = argparse.ArgumentParser(prog="sheafgnn tasks", description="MQAR, selective copying and induction "
-                                     "heads for sheaf, dense, local and ssm")
-    parser.add_argument("--quick", action="store_true", help="toy sizes that run in seconds")
+    parser = report_parser("sheafgnn tasks", "MQAR, selective copying and induction heads for sheaf, dense, local "
+                           "and ssm", TasksConfig, "runs/tasks")
     parser.add_argument("--zoology", action="store_true", help="MQAR at the Zoology sizes: sequence 512, 64 pairs, "
                         "vocabulary 8192 (explicit --mqar-* flags win)")
-    parser.add_argument("--out", dest="out_dir", help="output folder (default: runs/tasks)")
     parser.add_argument("--equal-width", action="store_true", help="every model at --d-model instead of matching "
                         "the baselines' parameters to the sheaf model")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    parser.add_argument("--config", help="a TasksConfig as YAML, TOML or JSON (flags override it)")
     TasksConfig.add_arguments(parser, skip=("out_dir", "equal_width", "progress"))
     namespace = parser.parse_args(argv)
-    args = vars(namespace)
-    values = TasksConfig.load(args["config"]).to_dict() if args["config"] else {}
-    if args["zoology"]:
-        values.update(ZOOLOGY)
-    values.update(TasksConfig.given_values(namespace))
-    if args["equal_width"]:
-        values["equal_width"] = True
-    if args["no_progress"]:
-        values["progress"] = False
-    return TasksConfig.quick(**values) if args["quick"] else TasksConfig(**values)
+    return config_from_args(TasksConfig, namespace, ZOOLOGY if namespace.zoology else None,
+                            **({"equal_width": True} if namespace.equal_width else {}))
 
 
 def main_tasks(argv: list[str] | None = None) -> int:
