@@ -1,5 +1,6 @@
 """The paper's simulation: relation counts and hops, the synthetic generator and its G*, the table, the scaling run."""
 
+import json
 from collections import deque
 
 import numpy as np
@@ -282,3 +283,13 @@ def test_config_errors():
         Y.generate(3)
     with pytest.raises(ValueError, match="hops"):
         R.relation_stats(_chain_graph(4), 0)
+
+
+def test_simulate_writes_under_runs_unless_told(tmp_path, capsys):
+    assert S.parse_simulate_args([]).out == "runs/simulate"  # never the committed benchmarks/results by default
+    assert S.main_simulate(["--n", "1024", "--max-log2", "11", "--out", str(tmp_path)]) == 0
+    for name in ("simulate_table.json", "simulate_scaling.json", "simulate_scaling.png"):
+        assert (tmp_path / name).is_file()
+    table = json.loads((tmp_path / "simulate_table.json").read_text())
+    assert table["paper"] == Y.PAPER and "sheaf (matched)" in table["topologies"]
+    assert "paper: cov." in capsys.readouterr().out

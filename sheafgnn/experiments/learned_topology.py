@@ -83,7 +83,7 @@ def oracle_topology(seq: SyntheticSequence, data: HeteroData) -> dict[EdgeType, 
     token t + 1 copies an entity value, and every ``token recalls retrieval``
     edge (they reach an output only through a kept read); every other
     candidate is dropped. The fixed edges and the stream stay (see
-    :func:`topology_graph`). Gates are 1.
+    :func:`~sheafgnn.relations.topology_graph`). Gates are 1.
     """
     n = seq.ids.numel()
     next_kind = torch.full((n,), -1, dtype=torch.long)
