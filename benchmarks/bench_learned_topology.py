@@ -7,15 +7,17 @@
 
 Writes ``simulate_learned.json`` and ``simulate_learned.png`` (gate
 histograms by edge type, coverage and waste against the gate threshold,
-edges against n) and prints the learned topology beside the designed site;
-the same as ``sheafgnn simulate --learned``. Definitions (relations,
-coverage, waste, hops): :mod:`sheafgnn.simulate`; the experiment:
-:func:`sheafgnn.simulate.run_learned`.
+edges against n) into the project's recorded results (``benchmarks/results``
+unless ``--out`` says otherwise) and prints the learned topology beside the
+designed site; the same as ``sheafgnn simulate --learned --out
+benchmarks/results``. Definitions (relations, coverage, waste, hops):
+:mod:`sheafgnn.relations`; the experiment:
+:func:`sheafgnn.experiments.learned_topology.run_learned`.
 """
 
 import sys
 
-from sheafgnn.simulate import main_simulate
+from sheafgnn.experiments.simulation import main_simulate
 
 if __name__ == "__main__":
-    sys.exit(main_simulate(["--learned", *sys.argv[1:]]))
+    sys.exit(main_simulate(["--learned", "--out", "benchmarks/results", *sys.argv[1:]]))  # a later --out wins

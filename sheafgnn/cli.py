@@ -4,9 +4,9 @@
 
     sheafgnn demo      [--out runs/demo]            the main demo on the embedded corpus
     sheafgnn train     --config FILE [--resume]     train a model (sheafgnn.train)
-    sheafgnn compare   [...]                        sheaf vs dense, local, ssm (sheafgnn.compare)
-    sheafgnn tasks     [...]                        MQAR, selective copying, induction (sheafgnn.evaltasks)
-    sheafgnn simulate  [...]                        the paper's dependency simulation (sheafgnn.simulate)
+    sheafgnn compare   [...]                        sheaf vs dense, local, ssm (experiments.compare)
+    sheafgnn tasks     [...]                        MQAR, selective copying, induction (experiments.task_runner)
+    sheafgnn simulate  [...]                        the paper's dependency simulation (experiments.simulation)
     sheafgnn inspect   CHECKPOINT_OR_CONFIG --text FILE   the learned topology on a text
 """
 
@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -25,24 +23,10 @@ from tqdm import tqdm
 # Subcommands with their own argument parsers: `sheafgnn NAME ARGS` calls module.function(ARGS).
 DELEGATED = {
     "train": ("sheafgnn.train", "main_train"),
-    "compare": ("sheafgnn.compare", "main_compare"),
-    "tasks": ("sheafgnn.evaltasks", "main_tasks"),
-    "simulate": ("sheafgnn.simulate", "main_simulate"),
+    "compare": ("sheafgnn.experiments.compare", "main_compare"),
+    "tasks": ("sheafgnn.experiments.task_runner", "main_tasks"),
+    "simulate": ("sheafgnn.experiments.simulation", "main_simulate"),
 }
-
-
-def run_report_command(prog: str, parse: Callable[[list[str] | None], Any], run: Callable[[Any], dict],
-                       argv: list[str] | None) -> int:
-    """Parse flags into a config, run it, list the files written; a ``ValueError`` becomes
-    ``prog: error: ...`` and exit status 1 (the report's ``files`` live in ``config.out_dir``)."""
-    try:
-        config = parse(argv)
-        report = run(config)
-    except ValueError as err:
-        print(f"{prog}: error: {err}", file=sys.stderr)
-        return 1
-    print(f"wrote {', '.join(str(Path(config.out_dir) / f) for f in report['files'])}")
-    return 0
 
 
 def _site_demo(out: Path, context: int, tokens: int) -> None:
@@ -66,7 +50,7 @@ def _site_demo(out: Path, context: int, tokens: int) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from sheafgnn.compare import main_compare
+    from sheafgnn.experiments.compare import main_compare
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -110,7 +94,7 @@ def load_model(path: str | Path):
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from sheafgnn.inspect import main_inspect
+    from sheafgnn.experiments.inspection import main_inspect
 
     model, tokenizer = load_model(args.model)
     text = Path(args.text).read_bytes()[: args.max_bytes]

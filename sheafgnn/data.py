@@ -9,7 +9,10 @@ machine with the same Python version.
 ::
 
     load_corpus('mixed', 'train') -> list[str]
+    train_validation_text(corpus) -> (train text, validation text)
     WindowDataset(text, context, builder)[i] -> HeteroData (a causal site)
+    StepSampler(num_windows, batch_size, seed, start_step, rank, world_size)
+        the window indices of every step: a pure function of (seed, step)
 """
 
 from __future__ import annotations
@@ -18,14 +21,16 @@ import sysconfig
 import zlib
 from pathlib import Path
 
+import torch
 from torch import Tensor
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Sampler
 from torch_geometric.data import HeteroData
 
 from sheafgnn.site import SiteBuilder
 
 SPLITS = ("train", "validation", "test")
 KINDS = ("docs", "code", "mixed")
+HELD_OUT = 0.1  # share of a text-file corpus (its end) held out for validation
 
 
 def _split_of(name: str) -> str:
@@ -77,6 +82,16 @@ def corpus_text(kind: str = "mixed", split: str = "train", **kwargs) -> str:
     return "\n\n".join(load_corpus(kind, split, **kwargs))
 
 
+def train_validation_text(corpus: str) -> tuple[str, str]:
+    """(train, validation) text of ``corpus``: an embedded kind (:data:`KINDS`) or a UTF-8 text file,
+    whose last :data:`HELD_OUT` share is the validation text."""
+    if corpus in KINDS:
+        return corpus_text(corpus, "train"), corpus_text(corpus, "validation")
+    text = Path(corpus).read_text(encoding="utf-8", errors="replace")
+    cut = int(len(text) * (1 - HELD_OUT))
+    return text[:cut], text[cut:]
+
+
 class WindowDataset(Dataset):
     """Non-overlapping context windows of a token stream, each built into a site.
 
@@ -108,6 +123,40 @@ class WindowDataset(Dataset):
         data = self.builder(window[:-1])
         data["token"].y = window[1:].clone()
         return data
+
+
+class StepSampler(Sampler[list[int]]):
+    """This rank's window indices for every step from ``start_step`` on (endless).
+
+    Global batch ``s`` is ``perm_e[k * B : (k + 1) * B]`` with ``e, k = divmod(s,
+    n // B)`` and ``perm_e`` a permutation seeded by (seed, e); rank r takes the
+    r-th of ``world_size`` equal slices. The last ``n % B`` windows of an epoch
+    are dropped.
+    """
+
+    def __init__(self, num_windows: int, batch_size: int, seed: int, start_step: int = 0,
+                 rank: int = 0, world_size: int = 1) -> None:
+        if num_windows < batch_size:
+            raise ValueError(f"StepSampler: {num_windows} windows are fewer than batch_size={batch_size}; "
+                             "use a larger corpus, a shorter context or a smaller batch")
+        if batch_size % world_size != 0:
+            raise ValueError(f"StepSampler: batch_size={batch_size} must be a multiple of the {world_size} processes")
+        self.n, self.batch_size, self.seed, self.start_step = num_windows, batch_size, seed, start_step
+        self.rank, self.world_size = rank, world_size
+
+    def permutation(self, epoch: int) -> Tensor:
+        return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch))
+
+    def __iter__(self):
+        per_epoch, local = self.n // self.batch_size, self.batch_size // self.world_size
+        step, epoch, perm = self.start_step, -1, None
+        while True:
+            e, k = divmod(step, per_epoch)
+            if e != epoch:
+                epoch, perm = e, self.permutation(e)
+            start = k * self.batch_size + self.rank * local
+            yield perm[start : start + local].tolist()
+            step += 1
 
 
 def site_statistics(graphs: list[HeteroData]) -> dict[str, dict[str, float]]:

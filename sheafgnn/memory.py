@@ -119,3 +119,11 @@ def keep_freed_memory() -> bool:
         return bool(libc.mallopt(m_mmap_threshold, 1 << 30) and libc.mallopt(m_trim_threshold, 1 << 34))
     except (OSError, AttributeError):
         return False
+
+
+def process_peak_bytes(device: torch.device) -> int:
+    """Peak bytes since the process started (or CUDA's last reset): memory allocated on a CUDA
+    ``device``, or the process's peak resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux

@@ -1,13 +1,21 @@
-"""Training: one loop for the sheaf model and the baselines.
+"""Training: the one training toolkit, and the loop for the sheaf model and the baselines.
 
-::
+The toolkit, used by every training loop of the project (this one, the task
+runner and the learned-topology study in :mod:`sheafgnn.experiments`)::
+
+    param_groups(model, weight_decay)       AdamW groups: decay on matrices, not on biases and norms
+    cosine_lr(step, peak_lr=, total_steps=, warmup_steps=, min_lr_ratio=)   linear warm-up, then cosine
+    train_step(model, batch, optimizer, lr=, grad_clip=) -> StepResult
+        set lr, loss, backward, clip, step unless non-finite, zero the gradients
+
+The loop::
 
     sheafgnn train --config run.yaml [--resume]        one process
     torchrun --nproc_per_node 2 -m sheafgnn.train --config run.yaml   DDP (gloo on CPU, NCCL on GPU)
 
     TrainConfig -> corpus -> tokenizer -> ids -> WindowDataset (sites)
                 -> DataLoader(batch_sampler=StepSampler)       global batch split over ranks
-                -> model (lm.build_model) -> DDP -> AdamW, warm-up + cosine, clipping, bf16
+                -> model (lm.build_model) -> DDP -> train_step: AdamW, cosine_lr, clipping, bf16
                 -> every eval_every: validation loss, bits per byte, perplexity
                 -> every checkpoint_every: checkpoint (sheafgnn.checkpoint), rank 0 only
     out_dir/config.yaml  metrics.csv  tb/  checkpoints/step_N/  checkpoints/latest
@@ -28,6 +36,7 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,18 +44,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils.data import Sampler, Subset
+from torch.optim import AdamW
+from torch.utils.data import Subset
 from torch_geometric.loader import DataLoader
 from tqdm import tqdm
 
 from sheafgnn import checkpoint as ckpt
 from sheafgnn.config import ConfigFile
-from sheafgnn.data import KINDS, WindowDataset, corpus_text
+from sheafgnn.data import KINDS, StepSampler, WindowDataset, train_validation_text
 from sheafgnn.lm import MODEL_KINDS, build_model, config_dict
-from sheafgnn.memory import keep_freed_memory
+from sheafgnn.memory import keep_freed_memory, process_peak_bytes
 from sheafgnn.site import BPETokenizer, ByteTokenizer, SiteBuilder, SiteConfig
 
-HELD_OUT = 0.1  # share of a text-file corpus (its end) held out for validation
 # Fields that fix the model, the data and its order: a resumed run must match them.
 FROZEN = ("model", "model_config", "site", "corpus", "tokenizer", "bpe_vocab_size", "context", "batch_size", "seed")
 
@@ -143,22 +152,13 @@ def load_tokenizer(config: TrainConfig, train_text: str | None = None):
     return BPETokenizer.load(path)
 
 
-def load_text(config: TrainConfig) -> tuple[str, str]:
-    """(train, validation) text of the configured corpus."""
-    if config.corpus in KINDS:
-        return corpus_text(config.corpus, "train"), corpus_text(config.corpus, "validation")
-    text = Path(config.corpus).read_text(encoding="utf-8", errors="replace")
-    cut = int(len(text) * (1 - HELD_OUT))
-    return text[:cut], text[cut:]
-
-
 def build_datasets(config: TrainConfig, rank: int = 0, world: int = 1) -> tuple[object, dict[str, WindowDataset]]:
     """The tokenizer and the ``train`` / ``validation`` window datasets of ``config``.
 
     With ``tokenizer: bpe`` rank 0 trains the tokenizer (once per out_dir) while
     the other ranks wait.
     """
-    train_text, val_text = load_text(config)
+    train_text, val_text = train_validation_text(config.corpus)
     tokenizer = load_tokenizer(config, train_text) if rank == 0 else None
     if world > 1 and config.tokenizer == "bpe":
         dist.barrier()
@@ -175,52 +175,62 @@ def build_datasets(config: TrainConfig, rank: int = 0, world: int = 1) -> tuple[
     return tokenizer, datasets
 
 
-class StepSampler(Sampler[list[int]]):
-    """This rank's window indices for every step from ``start_step`` on (endless).
-
-    Global batch ``s`` is ``perm_e[k * B : (k + 1) * B]`` with ``e, k = divmod(s,
-    n // B)`` and ``perm_e`` a permutation seeded by (seed, e); rank r takes the
-    r-th of ``world_size`` equal slices. The last ``n % B`` windows of an epoch
-    are dropped.
-    """
-
-    def __init__(self, num_windows: int, batch_size: int, seed: int, start_step: int = 0,
-                 rank: int = 0, world_size: int = 1) -> None:
-        if num_windows < batch_size:
-            raise ValueError(f"StepSampler: {num_windows} windows are fewer than batch_size={batch_size}; "
-                             "use a larger corpus, a shorter context or a smaller batch")
-        if batch_size % world_size != 0:
-            raise ValueError(f"StepSampler: batch_size={batch_size} must be a multiple of the {world_size} processes")
-        self.n, self.batch_size, self.seed, self.start_step = num_windows, batch_size, seed, start_step
-        self.rank, self.world_size = rank, world_size
-
-    def permutation(self, epoch: int) -> Tensor:
-        return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch))
-
-    def __iter__(self):
-        per_epoch, local = self.n // self.batch_size, self.batch_size // self.world_size
-        step, epoch, perm = self.start_step, -1, None
-        while True:
-            e, k = divmod(step, per_epoch)
-            if e != epoch:
-                epoch, perm = e, self.permutation(e)
-            start = k * self.batch_size + self.rank * local
-            yield perm[start : start + local].tolist()
-            step += 1
-
-
 # ---------------------------------------------------------------------------
 # Schedule, evaluation, distributed plumbing
 # ---------------------------------------------------------------------------
 
 
-def lr_at(step: int, config: TrainConfig) -> float:
-    """Learning rate for update ``step`` (0-based): linear warm-up, then cosine to ``lr * min_lr_ratio``."""
-    if step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    progress = min(1.0, (step - config.warmup_steps) / max(1, config.total_steps - config.warmup_steps))
-    min_lr = config.lr * config.min_lr_ratio
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (config.lr - min_lr)
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW parameter groups: ``weight_decay`` on matrices (dim >= 2), none on biases and norms."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def cosine_lr(step: int, *, peak_lr: float, total_steps: int, warmup_steps: int, min_lr_ratio: float) -> float:
+    """Learning rate for update ``step`` (0-based): linear warm-up from ``peak_lr / warmup_steps`` to
+    ``peak_lr`` over ``warmup_steps``, then a cosine to ``peak_lr * min_lr_ratio`` at ``total_steps``."""
+    if step < warmup_steps:
+        return peak_lr * (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    min_lr = peak_lr * min_lr_ratio
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (peak_lr - min_lr)
+
+
+@dataclass
+class StepResult:
+    """What :func:`train_step` did."""
+
+    loss: float  # the batch's loss (mean over processes)
+    grad_norm: float  # global gradient norm before clipping
+    finite: bool  # False: the loss or the gradient norm was not finite and the update was skipped
+
+
+def train_step(model: nn.Module, batch, optimizer: torch.optim.Optimizer, *, lr: float, grad_clip: float,
+               loss_fn: Callable | None = None, bf16: bool = False, world: int = 1) -> StepResult:
+    """One optimizer step, the one every training loop of the project takes.
+
+    Sets ``lr`` on every parameter group; computes ``loss_fn(batch)`` (default:
+    ``model.loss``, e.g. a DDP-wrapped module instead), under bfloat16 autocast
+    with ``bf16``; back-propagates; clips the global gradient norm of
+    ``model``'s parameters to ``grad_clip`` (0: no clipping); steps the
+    optimizer unless the loss or the gradient norm is not finite (the update
+    is skipped); zeroes the gradients. With ``world`` > 1 processes the
+    reported loss is their mean. ``batch`` is already on the model's device.
+    """
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    device_type = next(model.parameters()).device.type
+    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
+        loss = (loss_fn or model.loss)(batch)
+    loss.backward()  # always, so every rank joins DDP's gradient all-reduce
+    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf).item()
+    loss_value = (_all_sum(loss.detach().float().clone(), world) / world).item()
+    finite = math.isfinite(loss_value) and math.isfinite(grad_norm)
+    if finite:  # the same decision on every rank: the loss is all-reduced, the gradients too
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss_value, grad_norm, finite)
 
 
 def _all_sum(t: Tensor, world: int) -> Tensor:
@@ -262,10 +272,16 @@ class _Loss(nn.Module):
         return self.model.loss(batch)
 
 
+def resolve_device(name: str) -> torch.device:
+    """``auto`` (CUDA if present, else CPU), ``cpu`` or ``cuda`` -> the device."""
+    cuda = name == "cuda" or (name == "auto" and torch.cuda.is_available())
+    return torch.device("cuda" if cuda else "cpu")
+
+
 def _distributed(config: TrainConfig) -> tuple[int, int, torch.device]:
     """(rank, world size, device); joins the process group when launched by torchrun."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    cuda = resolve_device(config.device).type == "cuda"
     if world == 1:
         return 0, 1, torch.device("cuda" if cuda else "cpu")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -392,60 +408,24 @@ def _train(config: TrainConfig, resume: bool, model: nn.Module | None, rank: int
            device: torch.device) -> dict:
     master = rank == 0
     out_dir = Path(config.out_dir)
-    ckpt_dir = out_dir / "checkpoints"
-    latest = ckpt.latest_checkpoint(ckpt_dir)
-    if resume and latest is None:
-        raise ckpt.CheckpointError(f"nothing to resume: no checkpoint in {ckpt_dir}")
-    if not resume and latest is not None:
-        raise ckpt.CheckpointError(f"{out_dir} already holds checkpoints; pass --resume to continue that run "
-                                   "or choose another out_dir")
+    latest = _checkpoint_to_resume(out_dir / "checkpoints", resume)
     if master:
         out_dir.mkdir(parents=True, exist_ok=True)
         print(config)
     tokenizer, datasets = build_datasets(config, rank, world)
-    torch.manual_seed(config.seed)  # the same initial weights on every rank
-    model = (model if model is not None else build_model(config.model, config.model_config,
-                                                         tokenizer.vocab_size, config.site)).to(device)
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=config.lr, betas=(config.beta1, config.beta2))
-    step, bad, checkpoint_path, metrics = 0, 0, None, {}
-    torch.manual_seed(config.seed + rank)  # dropout streams differ between ranks
-    if resume:
-        state = ckpt.load_checkpoint(latest, model, device, check=lambda s: _check_resume(s, config, model, latest))
-        try:
-            optimizer.load_state_dict(state["optimizer"])
-        except (ValueError, KeyError) as err:
-            raise ckpt.CheckpointError(f"checkpoint {latest}: optimizer state does not fit ({err})") from None
-        step, checkpoint_path, metrics = state["step"], latest, state["metrics"]
-        if len(state["rng"]) == world:
-            ckpt.set_rng_state(state["rng"][rank])
-        else:
-            warnings.warn(f"resuming {len(state['rng'])}-process RNG state in {world} processes: data order is "
-                          "exact, dropout is reseeded", RuntimeWarning, stacklevel=3)
-            torch.manual_seed(config.seed + rank + 7919 * step)
+    model, optimizer, step, metrics = _model_and_optimizer(config, model, tokenizer.vocab_size, latest, device,
+                                                           rank, world)
+    bad, checkpoint_path = 0, latest
     n_params = sum(p.numel() for p in model.parameters())
     if master:
         print(f"{config.model}: {n_params:,} parameters, {config.total_steps} steps of {config.batch_size} x "
               f"{config.context} tokens, {world} process(es) on {device}"
               + (f", resuming at step {step}" if step else ""))
         config.save(out_dir / "config.yaml")
-
-    loader_args = dict(num_workers=config.num_workers, pin_memory=device.type == "cuda",
-                       generator=torch.Generator().manual_seed(config.seed))  # keeps the global RNG untouched
-    sampler = StepSampler(len(datasets["train"]), config.batch_size, config.seed, step, rank, world)
-    loader = DataLoader(datasets["train"], batch_sampler=sampler, **loader_args)
-    val = datasets["validation"]
-    n_val = min(len(val), config.eval_batches * config.batch_size)
-    val_loader = DataLoader(Subset(val, list(range(rank, n_val, world))), batch_size=config.batch_size // world,
-                            **loader_args)
+    loader, val_loader = _loaders(config, datasets, step, rank, world, device)
     val_batches = None  # built on first use, then reused: the same windows every time
-
-    loss_fn = _Loss(model)
-    if world > 1:
-        loss_fn = nn.parallel.DistributedDataParallel(loss_fn, find_unused_parameters=config.ddp_find_unused)
+    loss_fn = _Loss(model) if world == 1 else nn.parallel.DistributedDataParallel(
+        _Loss(model), find_unused_parameters=config.ddp_find_unused)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     log = _Log(out_dir, step, master, config.tensorboard)
@@ -455,68 +435,127 @@ def _train(config: TrainConfig, resume: bool, model: nn.Module | None, rank: int
     t_start = t_last = time.perf_counter()
     step_last = step
     model.train()
-    for batch in loader:
-        if step >= config.total_steps:
-            break
-        # -- one optimizer step on one global batch ---------------------------------------------
-        lr = lr_at(step, config)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        batch = batch.to(device, non_blocking=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
-            loss = loss_fn(batch)
-        loss.backward()  # always, so every rank joins DDP's gradient all-reduce
-        grad_norm = nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip or math.inf)
-        loss_value = (_all_sum(loss.detach().float().clone(), world) / world).item()
-        step += 1
-        if math.isfinite(loss_value) and math.isfinite(grad_norm.item()):
-            optimizer.step()
-            bad = 0
-        else:  # the same decision on every rank: the loss is all-reduced, the gradients too
-            bad, skipped = bad + 1, skipped + 1
-            if master:
-                warnings.warn(f"step {step}: non-finite loss {loss_value} or gradient norm {grad_norm.item()}; "
-                              f"step skipped ({bad} in a row, max_bad_steps={config.max_bad_steps})",
-                              RuntimeWarning, stacklevel=3)
-            if bad >= config.max_bad_steps:
-                log.close()
-                bar.close()
-                raise TrainingDiverged(
-                    f"training stopped at step {step}: {bad} non-finite losses in a row (max_bad_steps="
-                    f"{config.max_bad_steps}); the last good checkpoint is {checkpoint_path or 'none'}. Lower lr, "
-                    "raise warmup_steps or set grad_clip, then resume or restart.")
-        optimizer.zero_grad(set_to_none=True)
-        history[step] = loss_value
-        bar.update(1)
-        # -- evaluate, log, checkpoint --------------------------------------------------------------
-        last = step == config.total_steps
-        row = {"step": step, "tokens": step * tokens_per_step, "loss": loss_value, "lr": lr,
-               "grad_norm": grad_norm.item(), "skipped": int(bad > 0)}
-        if step % config.eval_every == 0 or last:
-            if val_batches is None:
-                val_batches = [(b, int(tokenizer.token_bytes(b["token"].y[b["token"].y != -100])[1].sum()))
-                               for b in val_loader]
-            metrics = evaluate(model, val_batches, device, config.bf16, world)
-            row.update(metrics)
-            if master:
-                bar.write(f"step {step}: val loss {metrics['val_loss']:.4f}, {metrics['val_bpb']:.4f} bits/byte, "
-                          f"ppl {metrics['val_ppl']:.2f}")
-        if step % config.log_every == 0 or last or "val_loss" in row:
-            now = time.perf_counter()
-            row["tokens_per_s"] = (step - step_last) * tokens_per_step / max(now - t_last, 1e-9)
-            row["elapsed_s"] = now - t_start
-            t_last, step_last = now, step
-            bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", lr=f"{lr:.2e}")
-            log.write(row)
-        if (step % config.checkpoint_every == 0 or last) and bad == 0:  # never checkpoint mid-divergence
-            checkpoint_path = _save(config, step, model, optimizer, metrics, rank, world) or checkpoint_path
-    bar.close()
-    log.close()
+    try:
+        for batch in loader:
+            if step >= config.total_steps:
+                break
+            lr = _lr(step, config)
+            result = train_step(model, batch.to(device, non_blocking=True), optimizer, lr=lr,
+                                grad_clip=config.grad_clip, loss_fn=loss_fn, bf16=config.bf16, world=world)
+            step += 1
+            bad = 0 if result.finite else bad + 1
+            skipped += not result.finite
+            if bad:
+                _warn_bad_step(step, result, bad, config, master, checkpoint_path)
+            history[step] = result.loss
+            bar.update(1)
+            # -- evaluate, log, checkpoint --------------------------------------------------------------
+            last = step == config.total_steps
+            row = {"step": step, "tokens": step * tokens_per_step, "loss": result.loss, "lr": lr,
+                   "grad_norm": result.grad_norm, "skipped": int(bad > 0)}
+            if step % config.eval_every == 0 or last:
+                if val_batches is None:  # (batch, target bytes) pairs
+                    val_batches = [(b, int(tokenizer.token_bytes(b["token"].y[b["token"].y != -100])[1].sum()))
+                                   for b in val_loader]
+                metrics = evaluate(model, val_batches, device, config.bf16, world)
+                row.update(metrics)
+                if master:
+                    bar.write(f"step {step}: val loss {metrics['val_loss']:.4f}, {metrics['val_bpb']:.4f} "
+                              f"bits/byte, ppl {metrics['val_ppl']:.2f}")
+            if step % config.log_every == 0 or last or "val_loss" in row:
+                now = time.perf_counter()
+                row["tokens_per_s"] = (step - step_last) * tokens_per_step / max(now - t_last, 1e-9)
+                row["elapsed_s"] = now - t_start
+                t_last, step_last = now, step
+                bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", lr=f"{lr:.2e}")
+                log.write(row)
+            if (step % config.checkpoint_every == 0 or last) and bad == 0:  # never checkpoint mid-divergence
+                checkpoint_path = _save(config, step, model, optimizer, metrics, rank, world) or checkpoint_path
+    finally:
+        bar.close()
+        log.close()
     elapsed = time.perf_counter() - t_start
     return {"step": step, "tokens": step * tokens_per_step, "train_loss": history.get(step, math.nan),
             **metrics, "tokens_per_s": len(history) * tokens_per_step / max(elapsed, 1e-9), "elapsed_s": elapsed,
-            "peak_memory_bytes": _peak_memory(device), "params": n_params, "skipped_steps": skipped,
+            "peak_memory_bytes": process_peak_bytes(device), "params": n_params, "skipped_steps": skipped,
             "checkpoint": str(checkpoint_path or ""), "history": history}
+
+
+def _lr(step: int, config: TrainConfig) -> float:
+    """The run's learning rate at update ``step``: :func:`cosine_lr` with the config's numbers."""
+    return cosine_lr(step, peak_lr=config.lr, total_steps=config.total_steps, warmup_steps=config.warmup_steps,
+                     min_lr_ratio=config.min_lr_ratio)
+
+
+def _checkpoint_to_resume(ckpt_dir: Path, resume: bool) -> Path | None:
+    """The checkpoint to resume (None for a fresh run); refuses a resume without one, a fresh run over one."""
+    latest = ckpt.latest_checkpoint(ckpt_dir)
+    if resume and latest is None:
+        raise ckpt.CheckpointError(f"nothing to resume: no checkpoint in {ckpt_dir}")
+    if not resume and latest is not None:
+        raise ckpt.CheckpointError(f"{ckpt_dir.parent} already holds checkpoints; pass --resume to continue that "
+                                   "run or choose another out_dir")
+    return latest
+
+
+def _model_and_optimizer(config: TrainConfig, model: nn.Module | None, vocab_size: int, latest: Path | None,
+                         device: torch.device, rank: int, world: int) -> tuple[nn.Module, AdamW, int, dict]:
+    """The model (built from ``config`` unless given) and its AdamW on ``device``, at checkpoint ``latest``
+    when resuming. Returns (model, optimizer, step, metrics)."""
+    torch.manual_seed(config.seed)  # the same initial weights on every rank
+    model = (model if model is not None else build_model(config.model, config.model_config, vocab_size,
+                                                         config.site)).to(device)
+    optimizer = AdamW(param_groups(model, config.weight_decay), lr=config.lr, betas=(config.beta1, config.beta2))
+    torch.manual_seed(config.seed + rank)  # dropout streams differ between ranks
+    if latest is None:
+        return model, optimizer, 0, {}
+    return model, optimizer, *_resume(latest, config, model, optimizer, device, rank, world)
+
+
+def _resume(latest: Path, config: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
+            device: torch.device, rank: int, world: int) -> tuple[int, dict]:
+    """Load the model, optimizer and RNG state of checkpoint ``latest``; return its (step, metrics)."""
+    state = ckpt.load_checkpoint(latest, model, device, check=lambda s: _check_resume(s, config, model, latest))
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+    except (ValueError, KeyError) as err:
+        raise ckpt.CheckpointError(f"checkpoint {latest}: optimizer state does not fit ({err})") from None
+    step = state["step"]
+    if len(state["rng"]) == world:
+        ckpt.set_rng_state(state["rng"][rank])
+    else:
+        warnings.warn(f"resuming {len(state['rng'])}-process RNG state in {world} processes: data order is "
+                      "exact, dropout is reseeded", RuntimeWarning, stacklevel=5)
+        torch.manual_seed(config.seed + rank + 7919 * step)
+    return step, state["metrics"]
+
+
+def _loaders(config: TrainConfig, datasets: dict[str, WindowDataset], step: int, rank: int, world: int,
+             device: torch.device) -> tuple[DataLoader, DataLoader]:
+    """This rank's training loader from ``step`` on and its share of the validation windows."""
+    loader_args = dict(num_workers=config.num_workers, pin_memory=device.type == "cuda",
+                       generator=torch.Generator().manual_seed(config.seed))  # keeps the global RNG untouched
+    sampler = StepSampler(len(datasets["train"]), config.batch_size, config.seed, step, rank, world)
+    loader = DataLoader(datasets["train"], batch_sampler=sampler, **loader_args)
+    val = datasets["validation"]
+    n_val = min(len(val), config.eval_batches * config.batch_size)
+    val_loader = DataLoader(Subset(val, list(range(rank, n_val, world))), batch_size=config.batch_size // world,
+                            **loader_args)
+    return loader, val_loader
+
+
+def _warn_bad_step(step: int, result: StepResult, bad: int, config: TrainConfig, master: bool,
+                   checkpoint_path: Path | None) -> None:
+    """Warn of a skipped non-finite step; raise :class:`TrainingDiverged` at ``max_bad_steps`` in a row."""
+    if master:
+        warnings.warn(f"step {step}: non-finite loss {result.loss} or gradient norm {result.grad_norm}; "
+                      f"step skipped ({bad} in a row, max_bad_steps={config.max_bad_steps})",
+                      RuntimeWarning, stacklevel=4)
+    if bad >= config.max_bad_steps:
+        raise TrainingDiverged(
+            f"training stopped at step {step}: {bad} non-finite losses in a row (max_bad_steps="
+            f"{config.max_bad_steps}); the last good checkpoint is {checkpoint_path or 'none'}. Lower lr, "
+            "raise warmup_steps or set grad_clip, then resume or restart.")
 
 
 def _save(config: TrainConfig, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, metrics: dict,
@@ -529,18 +568,9 @@ def _save(config: TrainConfig, step: int, model: nn.Module, optimizer: torch.opt
     if rank != 0:
         return None
     state = {"config": config.to_dict(), "model_config": config_dict(model), "optimizer": optimizer.state_dict(),
-             "scheduler": {"step": step, "lr": lr_at(step - 1, config)}, "rng": rngs, "world_size": world,
+             "scheduler": {"step": step, "lr": _lr(step - 1, config)}, "rng": rngs, "world_size": world,
              "metrics": metrics}
     return ckpt.save_checkpoint(Path(config.out_dir) / "checkpoints", step, model, state, config.keep_checkpoints)
-
-
-def _peak_memory(device: torch.device) -> int:
-    """Peak bytes: CUDA memory allocated on ``device``, or this process's peak resident set on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 # ---------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from sheafgnn.compare import (
+from sheafgnn.experiments.compare import (
     CompareConfig,
     main_compare,
     markdown,

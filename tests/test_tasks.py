@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from sheafgnn.tasks import IGNORE_INDEX, induction_heads, mqar, selective_copying
+from sheafgnn.experiments.tasks import IGNORE_INDEX, induction_heads, mqar, selective_copying
 
 
 def gen(seed: int) -> torch.Generator:

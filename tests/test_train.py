@@ -21,10 +21,19 @@ from torch import nn
 
 from sheafgnn.baselines import CausalTransformer, TransformerConfig
 from sheafgnn.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
-from sheafgnn.data import WindowDataset
+from sheafgnn.data import StepSampler, WindowDataset
 from sheafgnn.lm import SequenceLM, build_model
 from sheafgnn.site import ByteTokenizer, SiteBuilder, SiteConfig
-from sheafgnn.train import StepSampler, TrainConfig, TrainingDiverged, evaluate, lr_at, main_train, train
+from sheafgnn.train import (
+    TrainConfig,
+    TrainingDiverged,
+    cosine_lr,
+    evaluate,
+    main_train,
+    param_groups,
+    train,
+    train_step,
+)
 
 TINY = dict(d_model=32, n_layers=1, n_heads=2)
 
@@ -98,12 +107,64 @@ def test_step_sampler_is_a_function_of_the_step():
 
 
 def test_lr_schedule():
-    config = TrainConfig(lr=1.0, min_lr_ratio=0.1, warmup_steps=10, steps=110)
-    assert lr_at(0, config) == pytest.approx(0.1)
-    assert lr_at(9, config) == pytest.approx(1.0)
-    assert lr_at(10, config) == pytest.approx(1.0)
-    assert lr_at(60, config) == pytest.approx(0.55)
-    assert lr_at(110, config) == pytest.approx(0.1)
+    lr = lambda step: cosine_lr(step, peak_lr=1.0, total_steps=110, warmup_steps=10, min_lr_ratio=0.1)
+    assert lr(0) == pytest.approx(0.1)
+    assert lr(9) == pytest.approx(1.0)
+    assert lr(10) == pytest.approx(1.0)
+    assert lr(60) == pytest.approx(0.55)
+    assert lr(110) == pytest.approx(0.1)
+
+
+def test_param_groups_decay_matrices_only():
+    model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+    decay, no_decay = param_groups(model, 0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert [p.shape for p in decay["params"]] == [torch.Size([3, 4])]
+    assert len(no_decay["params"]) == 3  # the linear bias, the norm's weight and bias
+
+
+def test_train_step_clips_steps_and_skips_non_finite():
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    model.loss = lambda x: (model(x) ** 2).mean()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    before = model.weight.detach().clone()
+    result = train_step(model, torch.ones(2, 3) * 100, optimizer, lr=0.5, grad_clip=1.0)
+    assert result.finite and result.grad_norm > 1.0 and optimizer.param_groups[0]["lr"] == 0.5
+    assert (model.weight - before).norm() <= 0.5 + 1e-6  # one SGD step of a clipped gradient
+    assert all(p.grad is None for p in model.parameters())
+    after = model.weight.detach().clone()
+    result = train_step(model, torch.full((2, 3), float("nan")), optimizer, lr=0.5, grad_clip=1.0)
+    assert not result.finite and torch.equal(model.weight, after)  # skipped
+
+
+def test_every_training_loop_uses_train_step(corpus, tmp_path, monkeypatch):
+    """train, the task runner and the learned-topology study each take their steps with train_step."""
+    import sheafgnn.train as training
+    from sheafgnn.experiments import learned_topology, synthetic, task_runner
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(loop)
+        return train_step(*args, **kwargs)
+
+    for module in (training, task_runner, learned_topology):
+        assert module.train_step is train_step  # one function, imported, not a copy
+        monkeypatch.setattr(module, "train_step", counted)
+    torch.set_num_threads(1)
+    loop = "train"
+    train(tiny(corpus, tmp_path / "run", steps=3, eval_every=3, checkpoint_every=3))
+    loop = "task_runner"
+    config = task_runner.TasksConfig.quick(steps=2, tasks=("induction_heads",), models=("dense",))
+    spec = task_runner.task_specs(config)["induction_heads"]
+    model = build_model("dense", {"d_model": 16, "n_layers": 1, "n_heads": 2}, spec.vocab_size)
+    task_runner.train_task(model, spec, config, SiteConfig.from_dict(task_runner.BASELINE_SITE))
+    loop = "learned_topology"
+    model = learned_topology.SheafStateLM(learned_topology.learned_model_config(d_model=16, n_layers=1))
+    sequences = [synthetic.generate(65, seed).ids for seed in range(2)]
+    learned_topology.train_learned(model, sequences, synthetic.matched_site_config(), steps=2, window=64)
+    assert calls == ["train"] * 3 + ["task_runner"] * 2 + ["learned_topology"] * 2
 
 
 def test_sequence_lm_matches_the_transformer(corpus):

@@ -5,12 +5,12 @@ r"""``sheafgnn tasks``: the structured dependency tasks for sheaf, dense, local 
     sheafgnn tasks [--quick] [--out runs/tasks] [--steps 40] [--zoology] ...
 
     TasksConfig
-      for task in (mqar, selective_copying, induction_heads):      generators: sheafgnn.tasks
-        matched_options (sheafgnn.compare)    baselines' widths matched to the sheaf model's
+      for task in (mqar, selective_copying, induction_heads):      generators: experiments.tasks
+        matched_options (experiments.compare) baselines' widths matched to the sheaf model's
                                               parameters for this task's vocabulary (or --equal-width)
         for model in (sheaf, dense, local, ssm):
-          train_task     AdamW, warm-up + cosine (sheafgnn.train.lr_at), clipping; fresh batches
-                         from a generator seeded by `seed`: every model sees the same batches
+          train_task     sheafgnn.train's train_step: AdamW, warm-up + cosine, clipping; fresh
+                         batches from a generator seeded by `seed`: every model sees the same batches
           evaluate       accuracy on the scored positions of held-out rows (another seed),
                          induction heads at every length of induction_test_lens
       -> out_dir/tasks.json  tasks.md  induction.png
@@ -52,9 +52,7 @@ The baselines read token ids only; their sites are built with no patch types
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import sys
 import time
 from collections.abc import Callable
@@ -66,16 +64,17 @@ from torch import Tensor, nn
 from torch_geometric.data import Batch
 from tqdm import tqdm
 
-from sheafgnn.compare import count_model_parameters, matched_options, print_parameter_counts
 from sheafgnn.config import ConfigFile
+from sheafgnn.experiments.compare import BASELINE_SITE, count_model_parameters, matched_options, print_parameter_counts
+from sheafgnn.experiments.report import config_from_args, pyplot, report_parser, run_report_command, write_report
+from sheafgnn.experiments.tasks import IGNORE_INDEX, induction_heads, mqar, selective_copying
 from sheafgnn.lm import MODEL_KINDS, build_model
 from sheafgnn.memory import keep_freed_memory
 from sheafgnn.site import SiteConfig, build_site
-from sheafgnn.tasks import IGNORE_INDEX, induction_heads, mqar, selective_copying
+from sheafgnn.train import cosine_lr, param_groups, resolve_device, train_step
 
 TASKS = ("mqar", "selective_copying", "induction_heads")
 TASK_SITE = {"patch_types": ["local", "retrieval", "workspace", "output"], "retrieval_key_len": 1}
-BASELINE_SITE = {"patch_types": []}
 NEUTRAL_BYTE = ord("x")  # what every task id stands for in the builder's byte rules
 ZOOLOGY = {"mqar_seq_len": 512, "mqar_pairs": 64, "mqar_vocab": 8192}
 
@@ -188,7 +187,8 @@ class TaskSpec:
 
 
 def task_specs(config: TasksConfig) -> dict[str, TaskSpec]:
-    """The configured tasks, each sampling rows from the unmodified generators of :mod:`sheafgnn.tasks`."""
+    """The configured tasks, each sampling rows from the unmodified generators of
+    :mod:`sheafgnn.experiments.tasks`."""
     c = config
     specs = {
         "mqar": TaskSpec("mqar", c.mqar_vocab, c.mqar_seq_len, (c.mqar_seq_len,),
@@ -221,18 +221,6 @@ def to_sites(inputs: Tensor, targets: Tensor, site_config: SiteConfig, tokenizer
 # ---------------------------------------------------------------------------
 
 
-def _device(config: TasksConfig) -> torch.device:
-    cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-    return torch.device("cuda" if cuda else "cpu")
-
-
-def _optimizer(model: nn.Module, config: TasksConfig) -> torch.optim.Optimizer:
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=config.lr, betas=(0.9, 0.95))
-
-
 def train_task(model: nn.Module, spec: TaskSpec, config: TasksConfig, site_config: SiteConfig,
                desc: str = "") -> dict:
     """Train ``model`` on fresh rows of ``spec`` (the same rows for every model: seeded by ``config.seed``).
@@ -241,26 +229,20 @@ def train_task(model: nn.Module, spec: TaskSpec, config: TasksConfig, site_confi
         dict with ``train_loss`` (mean of the last quarter of steps), ``train_s``
         and ``train_tokens_per_s`` (site building included).
     """
-    from sheafgnn.train import TrainConfig, lr_at
-
-    schedule = TrainConfig(lr=config.lr, warmup_steps=min(config.warmup_steps, config.steps), steps=config.steps)
-    device, tokenizer = _device(config), TaskTokenizer(spec.vocab_size)
+    device, tokenizer = resolve_device(config.device), TaskTokenizer(spec.vocab_size)
     generator = torch.Generator().manual_seed(config.seed)
-    optimizer = _optimizer(model, config)
+    optimizer = torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.95))
+    warmup = min(config.warmup_steps, config.steps)
     losses = []
     model.train()
     start = time.perf_counter()
     bar = tqdm(range(config.steps), desc=desc, disable=not config.progress, leave=False, dynamic_ncols=True)
     for step in bar:
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, schedule)
+        lr = cosine_lr(step, peak_lr=config.lr, total_steps=config.steps, warmup_steps=warmup, min_lr_ratio=0.1)
         x, y = spec.sample(config.batch_size, spec.train_len, generator)  # (B, T), (B, T)
-        loss = model.loss(to_sites(x, y, site_config, tokenizer).to(device))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip or math.inf)
-        optimizer.step()
-        losses.append(loss.item())
+        result = train_step(model, to_sites(x, y, site_config, tokenizer).to(device), optimizer, lr=lr,
+                            grad_clip=config.grad_clip)
+        losses.append(result.loss)
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     elapsed = time.perf_counter() - start
     tail = losses[-max(1, len(losses) // 4):]
@@ -276,7 +258,7 @@ def evaluate(model: nn.Module, spec: TaskSpec, length: int, examples: int, confi
     The rows come from a generator seeded by (seed, length), different from
     the training stream and the same for every model.
     """
-    device, tokenizer = _device(config), TaskTokenizer(spec.vocab_size)
+    device, tokenizer = resolve_device(config.device), TaskTokenizer(spec.vocab_size)
     generator = torch.Generator().manual_seed(config.seed + 1_000_003 * length + 7)
     x, y = spec.sample(examples, length, generator)  # (R, T), (R, T)
     rows = max(1, config.eval_tokens // length)  # rows per forward pass
@@ -297,7 +279,7 @@ def task_options(config: TasksConfig, vocab_size: int) -> tuple[dict[str, dict],
     """``build_model`` options and parameter counts per model for one task's vocabulary.
 
     The sheaf model is at ``d_model``; the others are matched to its parameter
-    count (:func:`~sheafgnn.compare.matched_options`), or, with
+    count (:func:`~sheafgnn.experiments.compare.matched_options`), or, with
     ``equal_width``, all at ``d_model`` too (counts then differ; they are printed).
     """
     sheaf_options = {"d_model": config.d_model, "n_layers": config.n_layers, **config.sheaf}
@@ -320,7 +302,7 @@ def run_task(spec: TaskSpec, config: TasksConfig) -> dict:
     print(f"\n== {spec.name}: vocabulary {spec.vocab_size}, train length {spec.train_len}, "
           f"{config.steps} steps of {config.batch_size} rows ==")
     print_parameter_counts(options, counts)
-    device = _device(config)
+    device = resolve_device(config.device)
     out = {}
     for kind in config.models:
         site = dict(config.site) if kind == "sheaf" else dict(BASELINE_SITE)
@@ -361,7 +343,7 @@ def run_tasks(config: TasksConfig) -> dict:
     tasks = {name: run_task(spec, config) for name, spec in task_specs(config).items()}
     report = {"config": config.to_dict(), "tasks": tasks, "elapsed_s": time.perf_counter() - start,
               "threads": torch.get_num_threads()}
-    report["files"] = write_report(report, out)
+    report["files"] = write_report(report, out, "tasks", markdown(report), _figures(report))
     print("\n" + markdown(report))
     return report
 
@@ -432,21 +414,18 @@ def markdown(report: dict) -> str:
               + ("every model at the same d_model." if cfg["equal_width"] else
                  "dense, local and ssm widths matched to the sheaf model's parameter count (within 10%).")
               + f" Local window {cfg['window']}, {cfg['n_heads']} heads.",
-              f"- Sheaf sites: `{json.dumps(cfg['site'])}` with one neutral byte per id (see `sheafgnn.evaltasks`); "
-              "the baselines read token ids only.",
+              f"- Sheaf sites: `{json.dumps(cfg['site'])}` with one neutral byte per id (see "
+              "`sheafgnn.experiments.task_runner`); the baselines read token ids only.",
               f"- Training: AdamW, lr {cfg['lr']:g}, warm-up {cfg['warmup_steps']} + cosine, "
               f"clip {cfg['grad_clip']:g}, fresh rows each step from one seed (the same rows for every model)."]
     return "\n".join(lines) + "\n"
 
 
-def _plot(report: dict, out: Path) -> list[str]:
+def _figures(report: dict) -> dict:
+    """The report's figures by file name: induction.png (accuracy against test length), when run."""
     if "induction_heads" not in report["tasks"]:
-        return []
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+        return {}
+    plt = pyplot()
     task = report["tasks"]["induction_heads"]
     fig, ax = plt.subplots(figsize=(6, 4))
     for kind, r in task["models"].items():
@@ -460,19 +439,7 @@ def _plot(report: dict, out: Path) -> list[str]:
     ax.set_ylabel("accuracy")
     ax.set_title("induction heads")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "induction.png", dpi=120)
-    plt.close(fig)
-    return ["induction.png"]
-
-
-def write_report(report: dict, out: Path) -> list[str]:
-    """Write tasks.json, tasks.md and induction.png into ``out``; return the file names."""
-    plots = _plot(report, out)
-    files = plots + ["tasks.md", "tasks.json"]
-    (out / "tasks.md").write_text(markdown(report) + "".join(f"\n![{p}]({p})\n" for p in plots))
-    (out / "tasks.json").write_text(json.dumps({**report, "files": files}, indent=2))
-    return files
+    return {"induction.png": fig}
 
 
 # ---------------------------------------------------------------------------
@@ -482,35 +449,22 @@ def write_report(report: dict, out: Path) -> list[str]:
 
 def parse_tasks_args(argv: list[str] | None = None) -> TasksConfig:
     """``sheafgnn tasks`` flags -> a :class:`TasksConfig` (``--quick`` starts from the toy preset)."""
-    parser = argparse.ArgumentParser(prog="sheafgnn tasks", description="MQAR, selective copying and induction "
-                                     "heads for sheaf, dense, local and ssm")
-    parser.add_argument("--quick", action="store_true", help="toy sizes that run in seconds")
+    parser = report_parser("sheafgnn tasks", "MQAR, selective copying and induction heads for sheaf, dense, local "
+                           "and ssm", TasksConfig, "runs/tasks")
     parser.add_argument("--zoology", action="store_true", help="MQAR at the Zoology sizes: sequence 512, 64 pairs, "
                         "vocabulary 8192 (explicit --mqar-* flags win)")
-    parser.add_argument("--out", dest="out_dir", help="output folder (default: runs/tasks)")
     parser.add_argument("--equal-width", action="store_true", help="every model at --d-model instead of matching "
                         "the baselines' parameters to the sheaf model")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    parser.add_argument("--config", help="a TasksConfig as YAML, TOML or JSON (flags override it)")
     TasksConfig.add_arguments(parser, skip=("out_dir", "equal_width", "progress"))
     namespace = parser.parse_args(argv)
-    args = vars(namespace)
-    values = TasksConfig.load(args["config"]).to_dict() if args["config"] else {}
-    if args["zoology"]:
-        values.update(ZOOLOGY)
-    values.update(TasksConfig.given_values(namespace))
-    if args["equal_width"]:
-        values["equal_width"] = True
-    if args["no_progress"]:
-        values["progress"] = False
-    return TasksConfig.quick(**values) if args["quick"] else TasksConfig(**values)
+    return config_from_args(TasksConfig, namespace, ZOOLOGY if namespace.zoology else None,
+                            **({"equal_width": True} if namespace.equal_width else {}))
 
 
 def main_tasks(argv: list[str] | None = None) -> int:
     """``sheafgnn tasks [flags]``; returns the exit status."""
-    from sheafgnn.cli import run_report_command
-
     return run_report_command("sheafgnn tasks", parse_tasks_args, run_tasks, argv)
+
 
 if __name__ == "__main__":
     sys.exit(main_tasks())

@@ -31,9 +31,7 @@ for that model, and the report states the caps.
 
 from __future__ import annotations
 
-import argparse
 import csv
-import json
 import math
 import os
 import shutil
@@ -49,12 +47,17 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch_geometric.data import Batch
 from tqdm import tqdm
 
 from sheafgnn.baselines import TransformerConfig, count_parameters, match_width
 from sheafgnn.config import ConfigFile
+from sheafgnn.data import WindowDataset, train_validation_text
+from sheafgnn.experiments.report import config_from_args, pyplot, report_parser, run_report_command, write_report
 from sheafgnn.lm import MODEL_KINDS, build_model
 from sheafgnn.memory import PeakMemory, keep_freed_memory
+from sheafgnn.site import ByteTokenizer, SiteBuilder, SiteConfig, build_site
+from sheafgnn.train import TrainConfig, resolve_device, train
 
 SWEEP = (1024, 2048, 4096, 8192, 16384, 32768)
 RATIO_AT = (16384, 32768)  # context lengths of the sheaf vs dense speed ratios
@@ -211,18 +214,11 @@ def _in_child(isolate: bool, fn: Callable, *args):
         return pool.submit(fn, *args).result()
 
 
-def _device(config: CompareConfig) -> torch.device:
-    cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-    return torch.device("cuda" if cuda else "cpu")
-
-
 def _site_of(kind: str, config: CompareConfig) -> dict:
     return dict(config.site) if kind == "sheaf" else dict(BASELINE_SITE)
 
 
-def _train_config(config: CompareConfig, kind: str, options: dict):
-    from sheafgnn.train import TrainConfig
-
+def _train_config(config: CompareConfig, kind: str, options: dict) -> TrainConfig:
     steps = math.ceil(config.tokens / (config.batch_size * config.context))
     return TrainConfig(model=kind, model_config=options, site=_site_of(kind, config), corpus=config.corpus,
                        context=config.context, batch_size=config.batch_size, tokens=config.tokens, lr=config.lr,
@@ -246,8 +242,6 @@ def _median_train_tokens_per_s(metrics_csv: Path, overall: float) -> float:
 @torch.no_grad()
 def _inference(model: nn.Module, dataset, config: CompareConfig, device: torch.device) -> dict:
     """Forward-only tokens/s on the first validation windows (site building timed apart)."""
-    from torch_geometric.data import Batch
-
     model.eval()
     n = min(len(dataset), config.inference_batches * config.batch_size)
     build_s = forward_s = 0.0
@@ -268,13 +262,9 @@ def _inference(model: nn.Module, dataset, config: CompareConfig, device: torch.d
             **mem.as_dict("infer_")}
 
 
-def _validation_windows(train_config):
+def _validation_windows(train_config: TrainConfig) -> WindowDataset:
     """The validation windows that ``train`` evaluates on (byte tokenizer)."""
-    from sheafgnn.data import WindowDataset
-    from sheafgnn.site import ByteTokenizer, SiteBuilder, SiteConfig
-    from sheafgnn.train import load_text
-
-    ids = ByteTokenizer().encode(load_text(train_config)[1])
+    ids = ByteTokenizer().encode(train_validation_text(train_config.corpus)[1])
     return WindowDataset(ids, train_config.context, SiteBuilder(SiteConfig.from_dict(train_config.site)))
 
 
@@ -284,13 +274,11 @@ def train_one(config: CompareConfig, kind: str, options: dict) -> dict:
     The model is built exactly as ``train`` would build it (same seed), then
     trained in place so that inference can be timed on the trained weights.
     """
-    from sheafgnn.train import train
-
     train_config = _train_config(config, kind, options)
     out = Path(train_config.out_dir)
     if out.exists():
         shutil.rmtree(out)  # compare owns out_dir/train/<model>; a stale checkpoint would block train()
-    device = _device(config)
+    device = resolve_device(config.device)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     validation = _validation_windows(train_config)
@@ -308,17 +296,12 @@ def train_one(config: CompareConfig, kind: str, options: dict) -> dict:
 
 def _sweep_ids(config: CompareConfig, n: int) -> torch.Tensor:
     """``n + 1`` byte ids of the validation text (repeated when too short)."""
-    from sheafgnn.site import ByteTokenizer
-    from sheafgnn.train import load_text
-
-    ids = ByteTokenizer().encode(load_text(_train_config(config, "dense", {}))[1])
+    ids = ByteTokenizer().encode(train_validation_text(config.corpus)[1])
     return ids.repeat(math.ceil((n + 1) / ids.numel()))[: n + 1]
 
 
 def _fwd_bwd(model: nn.Module, ids: torch.Tensor, n: int, site_config, device: torch.device) -> tuple[float, float]:
     """(site build s, forward+backward s) of one window of n tokens."""
-    from sheafgnn.site import build_site
-
     t0 = time.perf_counter()
     data = build_site(ids[:n], site_config)
     data["token"].y = ids[1 : n + 1]
@@ -338,9 +321,7 @@ def sweep_one(config: CompareConfig, kind: str, options: dict) -> list[dict]:
     A warm-up pass at the smallest n comes first (not recorded). After the
     first n over ``time_cap_s`` or ``memory_cap_gb`` the larger n are skipped.
     """
-    from sheafgnn.site import SiteConfig
-
-    device = _device(config)
+    device = resolve_device(config.device)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     keep_freed_memory()  # every model alike: speed only (sheafgnn.memory)
@@ -435,9 +416,10 @@ def run_compare(config: CompareConfig) -> dict:
     report = {"config": config.to_dict(), "params": counts, "training": training, "sweep": sweep,
               "ratios": speed_ratios(sweep),
               "caps": {"time_cap_s": config.time_cap_s, "memory_cap_gb": config.memory_cap_gb},
-              "memory_method": next(iter(training.values()))["memory_method"], "device": str(_device(config)),
+              "memory_method": next(iter(training.values()))["memory_method"],
+              "device": str(resolve_device(config.device)),
               "threads": config.num_threads or torch.get_num_threads(), "cpu_count": os.cpu_count()}
-    report["files"] = write_report(report, out)
+    report["files"] = write_report(report, out, "compare", markdown(report), _figures(report))
     print("\n" + markdown(report))
     return report
 
@@ -492,22 +474,19 @@ def markdown(report: dict) -> str:
                          f"{r['memory_ratio']:.3f} of dense's ({_mib(r['sheaf_peak_extra_bytes'])} vs "
                          f"{_mib(r['dense_peak_extra_bytes'])} MiB)")
     lines += ["", f"Memory: {report['memory_method']}; 'extra' is the peak minus the resident set at the start of "
-              "the phase (see `sheafgnn.compare`). Each model ran in "
+              "the phase (see `sheafgnn.experiments.compare`). Each model ran in "
               + ("its own fresh process." if cfg["isolate"] else "this one process, one after another (--in-process; "
                  "free memory is trimmed before each phase, but what earlier models left cached can make later "
                  "models' extra memory read low).")]
     return "\n".join(lines) + "\n"
 
 
-def _plot(report: dict, out: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def _figures(report: dict) -> dict:
+    """The report's figures by file name: training.png (bits per byte, tokens/s, memory), sweep.png."""
+    plt = pyplot()
     training, sweep = report["training"], report["sweep"]
     kinds = list(training)
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    training_fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     axes[0].bar(kinds, [training[k]["val_bpb"] for k in kinds], color="tab:blue")
     axes[0].set_title("validation bits per byte")
     x = range(len(kinds))
@@ -518,11 +497,8 @@ def _plot(report: dict, out: Path) -> list[str]:
     axes[1].legend()
     axes[2].bar(kinds, [training[k]["train_peak_extra_bytes"] / MIB for k in kinds], color="tab:red")
     axes[2].set_title("peak extra memory in training (MiB)")
-    fig.tight_layout()
-    fig.savefig(out / "training.png", dpi=120)
-    plt.close(fig)
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    sweep_fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for kind, points in sweep.items():
         done = [p for p in points if not p["skipped"]]
         axes[0].plot([p["n"] for p in done], [p["fwd_bwd_s"] for p in done], "o-", label=kind)
@@ -534,18 +510,7 @@ def _plot(report: dict, out: Path) -> list[str]:
         ax.set_xlabel("context length n")
         ax.set_title(title)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "sweep.png", dpi=120)
-    plt.close(fig)
-    return ["training.png", "sweep.png"]
-
-
-def write_report(report: dict, out: Path) -> list[str]:
-    """Write compare.json, compare.md and the plots into ``out``; return the file names."""
-    files = _plot(report, out) + ["compare.md", "compare.json"]
-    (out / "compare.md").write_text(markdown(report) + "\n![training](training.png)\n\n![sweep](sweep.png)\n")
-    (out / "compare.json").write_text(json.dumps({**report, "files": files}, indent=2, default=str))
-    return files
+    return {"training.png": training_fig, "sweep.png": sweep_fig}
 
 
 # ---------------------------------------------------------------------------
@@ -555,33 +520,19 @@ def write_report(report: dict, out: Path) -> list[str]:
 
 def parse_compare_args(argv: list[str] | None = None) -> CompareConfig:
     """``sheafgnn compare`` flags -> a :class:`CompareConfig` (``--quick`` starts from the toy preset)."""
-    parser = argparse.ArgumentParser(prog="sheafgnn compare", description="sheaf vs dense, local and ssm at equal "
-                                     "parameters and tokens: training, speed, memory and a context sweep")
-    parser.add_argument("--quick", action="store_true", help="toy sizes that run in seconds")
-    parser.add_argument("--out", dest="out_dir", help="output folder (default: runs/compare)")
+    parser = report_parser("sheafgnn compare", "sheaf vs dense, local and ssm at equal parameters and tokens: "
+                           "training, speed, memory and a context sweep", CompareConfig, "runs/compare")
     parser.add_argument("--in-process", action="store_true", help="run every model in this process, not a fresh "
                         "one each (faster start; peak memory is still reset per phase)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    parser.add_argument("--config", help="a CompareConfig as YAML, TOML or JSON (flags override it)")
     CompareConfig.add_arguments(parser, skip=("out_dir", "isolate", "progress"))
     namespace = parser.parse_args(argv)
-    args = vars(namespace)
-    base = CompareConfig.load(args["config"]).to_dict() if args["config"] else {}
-    values = CompareConfig.given_values(namespace)
-    if args["in_process"]:
-        values["isolate"] = False
-    if args["no_progress"]:
-        values["progress"] = False
-    if args["quick"]:
-        return CompareConfig.quick(**{**base, **values})
-    return CompareConfig(**{**base, **values})
+    return config_from_args(CompareConfig, namespace, **({"isolate": False} if namespace.in_process else {}))
 
 
 def main_compare(argv: list[str] | None = None) -> int:
     """``sheafgnn compare [flags]``; returns the exit status."""
-    from sheafgnn.cli import run_report_command
-
     return run_report_command("sheafgnn compare", parse_compare_args, run_compare, argv)
+
 
 if __name__ == "__main__":
     sys.exit(main_compare())

@@ -26,7 +26,7 @@ of an edge is the model's disagreement of the restriction maps on it (its
 definition lives in the model); a *relation* is a token pair (i, j), i < j,
 whose token i reaches output j - 1 within ``hops`` hops of the topology's
 kept edges, the site's fixed edges (cover, ``token reads output``) and the
-token stream (:mod:`sheafgnn.simulate`).
+token stream (:mod:`sheafgnn.relations`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ import torch
 from torch import Tensor
 from torch_geometric.data import HeteroData
 
-from sheafgnn.simulate import dense_relations, relation_matrix, topology_graph
+from sheafgnn.experiments.report import pyplot, save_figure
+from sheafgnn.relations import dense_relations, relation_matrix, topology_graph
 from sheafgnn.site import CANDIDATE_EDGES, NODE_TYPES, ByteTokenizer, SiteConfig, build_site, validate_site
 from sheafgnn.site.schema import EdgeType
 
@@ -287,11 +288,9 @@ def plot_arcs(topology: Topology, data: HeteroData, path, tokenizer=None, max_ar
     side (the highest gates) are drawn. Texts of at most 160 tokens are
     written along the axis.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.collections import LineCollection
+
+    plt = pyplot()
 
     n = data["token"].num_nodes
     fig, ax = plt.subplots(figsize=(min(24, 8 + n / 40), 6), dpi=120)
@@ -332,9 +331,7 @@ def plot_arcs(topology: Topology, data: HeteroData, path, tokenizer=None, max_ar
     ax.set_yticks([])
     ax.set_xlabel("token position")
     ax.set_title(title or "Topology over the text (colour: edge type; opacity and width: gate)")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _density(matrix, n: int, bins: int) -> np.ndarray:
@@ -359,11 +356,9 @@ def plot_relations(topology: Topology, data: HeteroData, path, hops: int = 3, bi
     Returns:
         dict: ``hops``, ``relations``, ``dense``, ``fraction_of_dense``, ``per_token``.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.colors import LogNorm, Normalize
+
+    plt = pyplot()
 
     n = data["token"].num_nodes
     matrix = relation_matrix(topology_graph(topology, data), hops)

@@ -95,6 +95,26 @@ def mqar(
         - **output:** inputs (B, T), targets (B, T), int64; num_pairs targets
           per row are scored, the rest are -100.
     """
+    _check_mqar(batch_size, seq_len, num_pairs, vocab_size, power_a)
+    B, T, ctx = batch_size, seq_len, 2 * num_pairs
+    half = vocab_size // 2
+    keys = _distinct(B, num_pairs, half - 1, generator) + 1  # (B, P) in [1, V/2)
+    values = _distinct(B, num_pairs, vocab_size - half, generator) + half  # (B, P) in [V/2, V)
+    query_pos = _query_positions(B, T, num_pairs, power_a, generator)  # (B, P)
+
+    inputs = torch.zeros(B, T, dtype=torch.long)  # (B, T)
+    inputs[:, 0:ctx:2] = keys
+    inputs[:, 1:ctx:2] = values
+    inputs.scatter_(1, query_pos, keys)
+    targets = torch.full((B, T), IGNORE_INDEX, dtype=torch.long)  # (B, T)
+    targets.scatter_(1, query_pos, values)
+    if random_non_queries:
+        noise = torch.randint(vocab_size, (B, T), generator=generator)  # (B, T)
+        inputs = torch.where(inputs == 0, noise, inputs)
+    return inputs, targets
+
+
+def _check_mqar(batch_size: int, seq_len: int, num_pairs: int, vocab_size: int, power_a: float) -> None:
     _check_positive("mqar", batch_size=batch_size, seq_len=seq_len, num_pairs=num_pairs)
     if 4 * num_pairs > seq_len:
         raise ValueError(
@@ -108,27 +128,17 @@ def mqar(
         )
     if not power_a > 0:
         raise ValueError(f"mqar: power_a must be > 0 (got {power_a})")
-    B, T, ctx = batch_size, seq_len, 2 * num_pairs
-    half = vocab_size // 2
-    keys = _distinct(B, num_pairs, half - 1, generator) + 1  # (B, P) in [1, V/2)
-    values = _distinct(B, num_pairs, vocab_size - half, generator) + half  # (B, P) in [V/2, V)
 
-    space = (T - ctx) // 2  # number of query slots
+
+def _query_positions(batch_size: int, seq_len: int, num_pairs: int, power_a: float,
+                     generator: torch.Generator | None) -> Tensor:
+    """MQAR's query positions (B, P): ``2 * num_pairs + 2 * g`` with distinct gaps g drawn from the
+    power law ``power_a * (g + 1) ** (power_a - 1)`` over the query slots."""
+    space = (seq_len - 2 * num_pairs) // 2  # number of query slots
     gap = torch.arange(1, space + 1, dtype=torch.float64)  # (S,)
     p = power_a * gap ** (power_a - 1)  # (S,) unnormalised power law
-    gaps = torch.multinomial(p.expand(B, space), num_pairs, replacement=False, generator=generator)  # (B, P)
-    query_pos = ctx + 2 * gaps  # (B, P)
-
-    inputs = torch.zeros(B, T, dtype=torch.long)  # (B, T)
-    inputs[:, 0:ctx:2] = keys
-    inputs[:, 1:ctx:2] = values
-    inputs.scatter_(1, query_pos, keys)
-    targets = torch.full((B, T), IGNORE_INDEX, dtype=torch.long)  # (B, T)
-    targets.scatter_(1, query_pos, values)
-    if random_non_queries:
-        noise = torch.randint(vocab_size, (B, T), generator=generator)  # (B, T)
-        inputs = torch.where(inputs == 0, noise, inputs)
-    return inputs, targets
+    gaps = torch.multinomial(p.expand(batch_size, space), num_pairs, replacement=False, generator=generator)  # (B, P)
+    return 2 * num_pairs + 2 * gaps  # (B, P)
 
 
 def selective_copying(

@@ -7,8 +7,8 @@ import pytest
 import scipy.sparse as sp
 import torch
 
-from sheafgnn import inspect as I
-from sheafgnn.simulate import relation_stats, site_graph
+from sheafgnn.experiments import inspection as I
+from sheafgnn.relations import relation_stats, site_graph
 from sheafgnn.site import CANDIDATE_EDGES, NODE_TYPES, ByteTokenizer, SiteConfig, build_site
 
 from .conftest import PROSE

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from sheafgnn.evaltasks import (
+from sheafgnn.experiments.task_runner import (
     TASK_SITE,
     TasksConfig,
     TaskSpec,
@@ -21,8 +21,8 @@ from sheafgnn.evaltasks import (
     task_options,
     to_sites,
 )
+from sheafgnn.experiments.tasks import IGNORE_INDEX, induction_heads, mqar
 from sheafgnn.site import SiteConfig, build_site, validate_site
-from sheafgnn.tasks import IGNORE_INDEX, induction_heads, mqar
 
 RECALLS = ("token", "recalls", "retrieval")
 
