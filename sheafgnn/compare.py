@@ -31,7 +31,6 @@ for that model, and the report states the caps.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import math
@@ -52,7 +51,7 @@ from torch import nn
 from tqdm import tqdm
 
 from sheafgnn.baselines import TransformerConfig, count_parameters, match_width
-from sheafgnn.config import ConfigFile
+from sheafgnn.config import ArgumentParser, ConfigFile
 from sheafgnn.lm import MODEL_KINDS, build_model
 from sheafgnn.memory import PeakMemory, keep_freed_memory
 
@@ -555,8 +554,8 @@ def write_report(report: dict, out: Path) -> list[str]:
 
 def parse_compare_args(argv: list[str] | None = None) -> CompareConfig:
     """``sheafgnn compare`` flags -> a :class:`CompareConfig` (``--quick`` starts from the toy preset)."""
-    parser = argparse.ArgumentParser(prog="sheafgnn compare", description="sheaf vs dense, local and ssm at equal "
-                                     "parameters and tokens: training, speed, memory and a context sweep")
+    parser = ArgumentParser(prog="sheafgnn compare", description="sheaf vs dense, local and ssm at equal "
+                            "parameters and tokens: training, speed, memory and a context sweep")
     parser.add_argument("--quick", action="store_true", help="toy sizes that run in seconds")
     parser.add_argument("--out", dest="out_dir", help="output folder (default: runs/compare)")
     parser.add_argument("--in-process", action="store_true", help="run every model in this process, not a fresh "
@@ -581,7 +580,7 @@ def main_compare(argv: list[str] | None = None) -> int:
     """``sheafgnn compare [flags]``; returns the exit status."""
     from sheafgnn.cli import run_report_command
 
-    return run_report_command("sheafgnn compare", parse_compare_args, run_compare, argv)
+    return run_report_command(parse_compare_args, run_compare, argv)
 
 if __name__ == "__main__":
     sys.exit(main_compare())

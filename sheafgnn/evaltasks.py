@@ -52,7 +52,6 @@ The baselines read token ids only; their sites are built with no patch types
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -67,7 +66,7 @@ from torch_geometric.data import Batch
 from tqdm import tqdm
 
 from sheafgnn.compare import count_model_parameters, matched_options, print_parameter_counts
-from sheafgnn.config import ConfigFile
+from sheafgnn.config import ArgumentParser, ConfigFile
 from sheafgnn.lm import MODEL_KINDS, build_model
 from sheafgnn.memory import keep_freed_memory
 from sheafgnn.site import SiteConfig, build_site
@@ -482,8 +481,8 @@ def write_report(report: dict, out: Path) -> list[str]:
 
 def parse_tasks_args(argv: list[str] | None = None) -> TasksConfig:
     """``sheafgnn tasks`` flags -> a :class:`TasksConfig` (``--quick`` starts from the toy preset)."""
-    parser = argparse.ArgumentParser(prog="sheafgnn tasks", description="MQAR, selective copying and induction "
-                                     "heads for sheaf, dense, local and ssm")
+    parser = ArgumentParser(prog="sheafgnn tasks", description="MQAR, selective copying and induction "
+                            "heads for sheaf, dense, local and ssm")
     parser.add_argument("--quick", action="store_true", help="toy sizes that run in seconds")
     parser.add_argument("--zoology", action="store_true", help="MQAR at the Zoology sizes: sequence 512, 64 pairs, "
                         "vocabulary 8192 (explicit --mqar-* flags win)")
@@ -510,7 +509,7 @@ def main_tasks(argv: list[str] | None = None) -> int:
     """``sheafgnn tasks [flags]``; returns the exit status."""
     from sheafgnn.cli import run_report_command
 
-    return run_report_command("sheafgnn tasks", parse_tasks_args, run_tasks, argv)
+    return run_report_command(parse_tasks_args, run_tasks, argv)
 
 if __name__ == "__main__":
     sys.exit(main_tasks())
