@@ -58,7 +58,7 @@ class ConfigFile:
         """
         values = self.to_dict()
         for assignment in assignments:
-            _assign(values, assignment, self)
+            _assign(values, assignment, type(self))
         return type(self).from_dict(values)
 
     @classmethod
@@ -113,8 +113,8 @@ class ConfigFile:
         return f"{type(self).__name__}(\n" + "\n".join(rows) + "\n)"
 
 
-def _assign(values: dict, assignment: str, config: ConfigFile) -> None:
-    """Apply ``KEY=VALUE`` to ``values``, the field dict of ``config``."""
+def _assign(values: dict, assignment: str, cls: type) -> None:
+    """Apply ``KEY=VALUE`` to ``values``, the field dict of a ``cls`` config."""
     key, equals, text = assignment.partition("=")
     if not equals or not key:
         raise ValueError(f"--set {assignment!r}: expected KEY=VALUE, e.g. steps=2 or model_config.d_model=64")
@@ -125,8 +125,7 @@ def _assign(values: dict, assignment: str, config: ConfigFile) -> None:
     *parents, last = key.split(".")
     field_name = (parents or [last])[0]
     if field_name not in values:
-        raise ValueError(f"--set {key}: {type(config).__name__} has no field {field_name!r}"
-                         f"{_did_you_mean(field_name, type(config))}")
+        raise ValueError(f"--set {key}: {cls.__name__} has no field {field_name!r}{_did_you_mean(field_name, cls)}")
     target = values
     for depth, name in enumerate(parents):
         target = target.get(name)
@@ -205,17 +204,16 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def at_least(low: int | float, kind: type = int) -> Callable[[str], int | float]:
-    """An argparse ``type``: a number of ``kind`` (int or float) that is at least ``low``."""
-    noun = "an integer" if kind is int else "a number"
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer that is at least ``low``."""
 
-    def parse(text: str) -> int | float:
+    def parse(text: str) -> int:
         try:
-            value = kind(text)
+            value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {noun} >= {low}, got {text!r}") from None
-        if not value >= low:  # also rejects nan
-            raise argparse.ArgumentTypeError(f"expected {noun} >= {low}, got {text}")
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
         return value
 
     return parse
