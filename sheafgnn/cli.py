@@ -2,23 +2,36 @@
 
 ::
 
-    sheafgnn demo      [--out runs/demo]            the main demo on the embedded corpus
-    sheafgnn train     --config FILE [--resume]     train a model (sheafgnn.train)
-    sheafgnn compare   [...]                        sheaf vs dense, local, ssm (experiments.compare)
-    sheafgnn tasks     [...]                        MQAR, selective copying, induction (experiments.task_runner)
-    sheafgnn simulate  [...]                        the paper's dependency simulation (experiments.simulation)
-    sheafgnn inspect   CHECKPOINT_OR_CONFIG --text FILE   the learned topology on a text
+    sheafgnn demo      [--out runs/demo]                   the main demo on the embedded corpus
+    sheafgnn build     FILE [--out graph.pt] [--stats]     the site of a text file (sheafgnn.site)
+    sheafgnn train     --config FILE [--set KEY=VALUE ...] [--resume]   train a model (sheafgnn.train)
+    sheafgnn compare   [...]                               sheaf vs dense, local, ssm (experiments.compare)
+    sheafgnn tasks     [...]                               MQAR, selective copying, induction (experiments.task_runner)
+    sheafgnn simulate  [...]                               the paper's dependency simulation (experiments.simulation)
+    sheafgnn inspect   CHECKPOINT_OR_CONFIG --text FILE    the learned topology on a text
+
+Bad input (a missing or unreadable file, invalid YAML, a number out of range, a
+run folder without checkpoints) ends in one line on stderr,
+``sheafgnn COMMAND: error: ...``, and exit status 2; :func:`main` is the one
+place that turns the library's errors into that line.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
 
 import torch
+import yaml
+from torch_geometric.data import HeteroData
 from tqdm import tqdm
+
+from sheafgnn.checkpoint import CheckpointError
+from sheafgnn.config import ArgumentParser, at_least
+from sheafgnn.train import TrainingDiverged
 
 # Subcommands with their own argument parsers: `sheafgnn NAME ARGS` calls module.function(ARGS).
 DELEGATED = {
@@ -29,8 +42,27 @@ DELEGATED = {
 }
 
 
+# What the library raises for bad input; main() reports them in one line with exit status 2.
+USER_ERRORS = (ValueError, OSError, yaml.YAMLError, CheckpointError, TrainingDiverged)
+
+
+def _print_site_statistics(graphs: list[HeteroData]) -> dict[str, dict[str, float]]:
+    """Print per-type node and edge counts of ``graphs`` and the edges per token; return the statistics."""
+    from sheafgnn.data import site_statistics
+
+    stats = site_statistics(graphs)
+    tokens = sum(g["token"].num_nodes for g in graphs)
+    print(f"{'type':<44}{'count':>10}{'per token':>12}")
+    for name, row in stats.items():
+        print(f"{name:<44}{row['count']:>10}{row['per_token']:>12.3f}")
+    totals = {"all nodes": sum(g.num_nodes for g in graphs), "all edges": sum(g.num_edges for g in graphs)}
+    for name, count in totals.items():
+        print(f"{name:<44}{count:>10}{count / max(tokens, 1):>12.3f}")
+    return stats
+
+
 def _site_demo(out: Path, context: int, tokens: int) -> None:
-    from sheafgnn.data import corpus_text, load_corpus, site_statistics
+    from sheafgnn.data import corpus_text, load_corpus
     from sheafgnn.site import ByteTokenizer, SiteConfig, TopicModel, build_site, validate_site
     from sheafgnn.site.rules import split_sentences
 
@@ -41,17 +73,17 @@ def _site_demo(out: Path, context: int, tokens: int) -> None:
     ids = ByteTokenizer().encode(corpus_text("mixed", "validation"))
     graphs = [validate_site(build_site(ids[start : start + context], config))
               for start in tqdm(range(0, min(ids.numel(), tokens) - context + 1, context), desc="building sites")]
-    stats = site_statistics(graphs)
     print(f"\n{len(graphs)} sites of {context} tokens from the validation split (byte tokenizer)")
-    print(f"{'type':<44}{'count':>10}{'per token':>12}")
-    for name, row in stats.items():
-        print(f"{name:<44}{row['count']:>10}{row['per_token']:>12.3f}")
+    stats = _print_site_statistics(graphs)
     (out / "site_stats.json").write_text(json.dumps(stats, indent=2))
 
 
 def _demo(args: argparse.Namespace) -> int:
     from sheafgnn.experiments.compare import main_compare
 
+    if args.tokens < args.context:
+        raise ValueError(f"--tokens ({args.tokens}) must be at least --context ({args.context}): "
+                         "the statistics need one site")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     _site_demo(out, args.context, args.tokens)
@@ -60,6 +92,26 @@ def _demo(args: argparse.Namespace) -> int:
     compare_args = ["--out", str(out / "compare"), "--models", "sheaf", "dense", "--tokens", "65536",
                     "--sweep", "1024", "2048", "4096", "8192", *args.compare_args]
     return main_compare(compare_args)  # prints the comparison table
+
+
+def _build(args: argparse.Namespace) -> int:
+    from sheafgnn.site import SiteConfig, build_site, validate_site
+
+    config = SiteConfig.load(args.config) if args.config else SiteConfig()
+    text = Path(args.file).read_bytes()
+    if not text:
+        raise ValueError(f"{args.file} is empty: there is no text to build a site of")
+    data = validate_site(build_site(text, config))  # byte tokenizer: one token per byte
+    tokens = data["token"].num_nodes
+    print(f"{args.file}: {tokens:,} tokens -> {data.num_nodes:,} nodes, {data.num_edges:,} edges "
+          f"({data.num_edges / tokens:.2f} edges per token)")
+    if args.stats:
+        _print_site_statistics([data])
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        torch.save(data, args.out)
+        print(f"wrote {args.out} (a HeteroData: torch.load({str(args.out)!r}, weights_only=False))")
+    return 0
 
 
 def load_model(path: str | Path):
@@ -96,46 +148,69 @@ def load_model(path: str | Path):
 def _inspect(args: argparse.Namespace) -> int:
     from sheafgnn.experiments.inspection import main_inspect
 
-    model, tokenizer = load_model(args.model)
     text = Path(args.text).read_bytes()[: args.max_bytes]
+    model, tokenizer = load_model(args.model)
     main_inspect(model, text, tokenizer, out_dir=args.out, hops=args.hops, top_k=args.top_k)
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in DELEGATED:
-        import importlib
-
-        module, function = DELEGATED[argv[0]]
-        return getattr(importlib.import_module(module), function)(argv[1:])
-
-    parser = argparse.ArgumentParser(prog="sheafgnn", description=__doc__.split("\n")[0],
-                                     epilog="also: " + ", ".join(f"sheafgnn {name} --help" for name in DELEGATED))
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,inspect," + ",".join(DELEGATED) + "}")
+def _parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="sheafgnn", description=__doc__.split("\n")[0],
+                            epilog="also: " + ", ".join(f"sheafgnn {name} --help" for name in DELEGATED))
+    names = ",".join(("demo", "build", "inspect", *DELEGATED))
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + names + "}")
     demo = sub.add_parser("demo", help="the main demo on the embedded corpus (other flags go to `sheafgnn compare`)")
     demo.add_argument("--out", default="runs/demo", help="output folder (default: runs/demo)")
-    demo.add_argument("--context", type=int, default=1024, help="tokens per site for the statistics (default: 1024)")
-    demo.add_argument("--tokens", type=int, default=65536, help="corpus tokens for the statistics (default: 65536)")
+    demo.add_argument("--context", type=at_least(2), default=1024,
+                      help="tokens per site for the statistics (default: 1024)")
+    demo.add_argument("--tokens", type=at_least(2), default=65536,
+                      help="corpus tokens for the statistics (default: 65536)")
     demo.set_defaults(func=_demo)
+    build = sub.add_parser("build", help="build, validate and optionally save the site of a text file")
+    build.add_argument("file", help="a text file (read as bytes: one token per byte)")
+    build.add_argument("--out", help="save the site (a PyG HeteroData) here with torch.save")
+    build.add_argument("--stats", action="store_true", help="print per-type node and edge counts, per token")
+    build.add_argument("--config", help="a SiteConfig as YAML, TOML or JSON (default: SiteConfig())")
+    build.set_defaults(func=_build)
     inspect = sub.add_parser("inspect", help="statistics, exports and plots of a model's topology on a text")
     inspect.add_argument("model", help="a training out_dir, a checkpoint step folder, or a SheafStateConfig file")
     inspect.add_argument("--text", required=True, help="a text file")
     inspect.add_argument("--out", default="runs/inspect", help="output folder (default: runs/inspect)")
-    inspect.add_argument("--hops", type=int, default=3, help="hops of the relation matrix (default: 3)")
-    inspect.add_argument("--top-k", type=int, default=5, help="top edges listed per type (default: 5)")
-    inspect.add_argument("--max-bytes", type=int, default=4096, help="bytes of the text read (default: 4096)")
+    inspect.add_argument("--hops", type=at_least(1), default=3, help="hops of the relation matrix (default: 3)")
+    inspect.add_argument("--top-k", type=at_least(1), default=5, help="top edges listed per type (default: 5)")
+    inspect.add_argument("--max-bytes", type=at_least(1), default=4096,
+                         help="bytes of the text read (default: 4096)")
     inspect.set_defaults(func=_inspect)
-    args, extra = parser.parse_known_args(argv)
-    if args.command == "demo":
-        args.compare_args = extra
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return parser
+
+
+def _one_line(err: BaseException) -> str:
+    """The error's message on one line (an OSError as 'what: file')."""
+    if isinstance(err, OSError) and err.strerror:
+        text = f"{err.strerror}: {err.filename}" if err.filename else err.strerror
+    else:
+        text = str(err) or type(err).__name__
+    return " ".join(text.split())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``sheafgnn ARGV``; return the exit status (2 and one line on stderr for bad input)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = argv[0] if argv else ""
     try:
+        if command in DELEGATED:
+            module, function = DELEGATED[command]
+            return getattr(importlib.import_module(module), function)(argv[1:])
+        parser = _parser()
+        args, extra = parser.parse_known_args(argv)
+        if args.command == "demo":
+            args.compare_args = extra
+        elif extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
         return args.func(args)
-    except ValueError as err:
-        print(f"sheafgnn {args.command}: error: {err}", file=sys.stderr)
-        return 1
+    except USER_ERRORS as err:
+        print(f"sheafgnn {command}: error: {_one_line(err)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from torch_geometric.data import HeteroData
 
 from sheafgnn.baselines import CausalTransformer, TransformerConfig
+from sheafgnn.config import check_field_types
 
 MODEL_KINDS = ("sheaf", "dense", "local", "ssm")
 
@@ -79,6 +80,7 @@ def _check_fields(cls: type, options: dict, kind: str) -> None:
     if unknown:
         raise ValueError(f"model_config for model {kind!r} has unknown fields {unknown}; "
                          f"{cls.__name__} has {[f.name for f in fields(cls)]}")
+    check_field_types(cls, options)
 
 
 def build_model(kind: str, options: dict, vocab_size: int, site: dict | None = None) -> nn.Module:

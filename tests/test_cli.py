@@ -1,12 +1,140 @@
-"""The `sheafgnn` command: dispatch, inspect on a config and on a trained run, clear errors."""
+"""The `sheafgnn` command: build, the shipped configs, --set overrides, inspect, one-line errors."""
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
+from sheafgnn.baselines import count_parameters
 from sheafgnn.cli import load_model, main
+from sheafgnn.lm import build_model
 from sheafgnn.model import SheafStateLM
+from sheafgnn.site import SiteConfig, build_site, validate_site
+from sheafgnn.train import TrainConfig
 
-from .conftest import PROSE
+from .conftest import CODE, PROSE
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+TRAIN_CONFIGS = ("sheaf", "dense", "local", "ssm")
+# Keeps a shipped config's 2 training steps fast; the model sizes stay as shipped.
+FAST = ["--set", "steps=2", "--set", "context=32", "--set", "batch_size=2", "--set", "eval_batches=1",
+        "--set", "progress=false", "--set", "tensorboard=false"]
+
+
+def run(argv: list[str], capsys) -> tuple[int, str, str]:
+    """``sheafgnn ARGV`` in this process: (exit status, stdout, stderr)."""
+    try:
+        status = main(argv)
+    except SystemExit as exit:  # argparse
+        status = exit.code
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+# ---------------------------------------------------------------------------
+# sheafgnn build
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, text", [("prose.txt", PROSE), ("code.py", CODE)])
+def test_build_saves_the_validated_site_and_prints_statistics(tmp_path, capsys, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    status, out, _ = run(["build", str(path), "--out", str(tmp_path / "graph.pt"), "--stats"], capsys)
+    assert status == 0
+    saved = validate_site(torch.load(tmp_path / "graph.pt", weights_only=False))
+    expected = build_site(text)
+    assert saved.node_types == expected.node_types and saved.edge_types == expected.edge_types
+    for node_type in expected.node_types:
+        assert saved[node_type].num_nodes == expected[node_type].num_nodes, node_type
+    for edge_type in expected.edge_types:
+        assert torch.equal(saved[edge_type].edge_index, expected[edge_type].edge_index), edge_type
+    tokens = len(text.encode())
+    assert f"{tokens:,} tokens -> {expected.num_nodes:,} nodes, {expected.num_edges:,} edges" in out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[2:] if line.split()}
+    assert rows["token"] == [str(tokens), "1.000"]
+    assert f"{expected.num_edges / tokens:.3f}" in out.splitlines()[-2]  # the "all edges" row
+    assert int(rows["token__in__sentence" if name == "prose.txt" else "token__in__syntax"][0]) > 0
+
+
+def test_build_with_a_site_config_and_without_output(tmp_path, capsys):
+    (tmp_path / "text.txt").write_text(PROSE)
+    (tmp_path / "site.yaml").write_text(yaml.safe_dump({"patch_types": ["local"], "local_window": 8}))
+    status, out, _ = run(["build", str(tmp_path / "text.txt"), "--config", str(tmp_path / "site.yaml")], capsys)
+    expected = build_site(PROSE, SiteConfig(patch_types=("local",), local_window=8))
+    assert status == 0 and f"{expected.num_edges:,} edges" in out and "wrote" not in out
+    assert expected["sentence"].num_nodes == 0 and expected["local"].num_nodes == len(PROSE.encode()) // 8
+
+
+# ---------------------------------------------------------------------------
+# --set overrides and the shipped configs
+# ---------------------------------------------------------------------------
+
+
+def test_overrides_reach_nested_fields():
+    config = TrainConfig(model_config={"d_model": 32}).with_overrides([
+        "steps=2", "lr=3e-4", "tokens=null", "bf16=true", "out_dir=runs/x", "model_config.d_model=64",
+        "model_config.n_layers=1", "site.local_window=8", "site.patch_types=[local, sentence]"])
+    assert (config.steps, config.lr, config.tokens, config.bf16, config.out_dir) == (2, 3e-4, None, True, "runs/x")
+    assert config.model_config == {"d_model": 64, "n_layers": 1}
+    assert config.site == {"local_window": 8, "patch_types": ["local", "sentence"]}
+    assert SiteConfig().with_overrides(["local_window=4"]).local_window == 4  # every ConfigFile has it
+
+
+@pytest.mark.parametrize("assignment, message", [
+    ("stepz=2", r"TrainConfig has no field 'stepz' \(did you mean 'steps'\?\)"),
+    ("steps", "expected KEY=VALUE"),
+    ("steps=two", r"TrainConfig: steps must be an integer \(got 'two'\)"),
+    ("lr=fast", "lr must be a number"),
+    ("steps=-1", "steps must be a positive integer"),
+    ("steps.every=1", "steps is 1000, not a mapping"),
+    ("site.local_window=0", "SiteConfig: local_window must be a positive integer"),
+    ("site.local_windw=8", r"SiteConfig: unknown fields \['local_windw'\] \(did you mean 'local_window'\?\)"),
+    ("model_config=[1", "the value is not valid YAML"),
+])
+def test_bad_overrides_say_what_is_wrong(assignment, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig().with_overrides([assignment])
+
+
+def test_shipped_training_configs_are_matched_in_parameters():
+    counts = {}
+    for kind in TRAIN_CONFIGS:
+        config = TrainConfig.load(CONFIGS / f"{kind}.yaml")
+        assert config.model == kind
+        counts[kind] = count_parameters(build_model(kind, config.model_config, 256, config.site))
+    print(counts)
+    assert max(counts.values()) / min(counts.values()) <= 1.1, counts
+
+
+@pytest.mark.parametrize("kind", TRAIN_CONFIGS)
+def test_each_shipped_training_config_trains_two_steps(tmp_path, capsys, kind):
+    status, out, err = run(["train", "--config", str(CONFIGS / f"{kind}.yaml"), *FAST,
+                            "--set", f"out_dir={tmp_path}"], capsys)
+    assert status == 0, err
+    saved = TrainConfig.load(tmp_path / "config.yaml")
+    assert saved.steps == 2 and saved.model == kind and saved.model_config == TrainConfig.load(
+        CONFIGS / f"{kind}.yaml").model_config
+    assert '"step": 2' in out and (tmp_path / "checkpoints" / "latest").is_file()
+
+
+def test_the_shipped_task_config_trains_two_steps(tmp_path, capsys):
+    tiny = ["--d-model", "32", "--n-layers", "1", "--window", "16", "--sheaf", '{"headdim": 16}', "--batch-size", "2",
+            "--test-examples", "2", "--mqar-seq-len", "64", "--mqar-pairs", "4", "--mqar-vocab", "64",
+            "--copy-seq-len", "32", "--copy-tokens", "4", "--induction-train-len", "32", "--induction-test-lens", "32"]
+    status, out, err = run(["tasks", "--config", str(CONFIGS / "tasks.yaml"), "--steps", "2", *tiny,
+                            "--out", str(tmp_path), "--no-progress"], capsys)
+    assert status == 0, err
+    assert (tmp_path / "tasks.json").is_file() and "wrote" in out
+
+
+# ---------------------------------------------------------------------------
+# sheafgnn inspect
+# ---------------------------------------------------------------------------
 
 
 def test_inspect_from_config_and_from_a_training_run(tmp_path, capsys):
@@ -17,26 +145,85 @@ def test_inspect_from_config_and_from_a_training_run(tmp_path, capsys):
     assert main(["inspect", str(config), "--text", str(text), "--out", str(tmp_path / "a")]) == 0
     assert (tmp_path / "a" / "topology.graphml").is_file()
 
-    run = tmp_path / "run"
+    run_dir = tmp_path / "run"
     train = tmp_path / "train.yaml"
     train.write_text(yaml.safe_dump({
         "model": "sheaf", "model_config": {"d_model": 32, "n_layers": 1, "headdim": 16}, "context": 64,
         "batch_size": 2, "steps": 2, "eval_every": 2, "eval_batches": 1, "checkpoint_every": 2,
-        "out_dir": str(run), "progress": False, "tensorboard": False}))
+        "out_dir": str(run_dir), "progress": False, "tensorboard": False}))
     assert main(["train", "--config", str(train)]) == 0
-    model, tokenizer = load_model(run)
+    model, tokenizer = load_model(run_dir)
     assert isinstance(model, SheafStateLM) and not model.training and tokenizer.vocab_size == 256
-    assert main(["inspect", str(run), "--text", str(text), "--out", str(tmp_path / "b")]) == 0
+    assert main(["inspect", str(run_dir), "--text", str(text), "--out", str(tmp_path / "b")]) == 0
     assert "wrote" in capsys.readouterr().out
 
 
-def test_clear_errors(tmp_path, capsys):
-    assert main(["inspect", str(tmp_path / "missing"), "--text", __file__]) == 1
-    assert "no checkpoint folder or config file" in capsys.readouterr().err
-    (tmp_path / "empty").mkdir()
-    assert main(["inspect", str(tmp_path / "empty"), "--text", __file__]) == 1
-    assert "holds no checkpoint" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["nonsense"])
-    with pytest.raises(SystemExit):
-        main(["inspect", str(tmp_path), "--text", __file__, "--no-such-flag"])
+# ---------------------------------------------------------------------------
+# Bad input: one line on stderr, exit status 2, for every command
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def bad_files(tmp_path) -> dict[str, str]:
+    (tmp_path / "bad.yaml").write_text("model: sheaf\nsteps: [1\n")
+    (tmp_path / "lr.yaml").write_text("lr: fast\n")
+    (tmp_path / "train.yaml").write_text("steps: 3\n")
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump({"d_model": 32, "n_layers": 1, "headdim": 16}))
+    (tmp_path / "no_checkpoints").mkdir()
+    names = ("bad.yaml", "lr.yaml", "train.yaml", "empty.txt", "model.yaml", "no_checkpoints", "missing.txt",
+             "missing.yaml")
+    return {name.replace(".", "_"): str(tmp_path / name) for name in names}
+
+
+BAD_INPUT = [
+    ("demo", ["--tokens", "-5"], "argument --tokens: expected an integer >= 2, got -5"),
+    ("demo", ["--context", "many"], "expected an integer >= 2, got 'many'"),
+    ("demo", ["--tokens", "100"], "--tokens (100) must be at least --context (1024)"),
+    ("build", ["{missing_txt}"], "No such file or directory: {missing_txt}"),
+    ("build", ["{empty_txt}"], "is empty"),
+    ("build", ["{model_yaml}", "--config", "{bad_yaml}"], "is not valid yaml: expected ',' or ']'"),
+    ("build", ["{model_yaml}", "--config", "{missing_yaml}"], "no config file at"),
+    ("train", ["--config", "{missing_yaml}"], "no config file at"),
+    ("train", ["--config", "{bad_yaml}"], "is not valid yaml"),
+    ("train", ["--config", "{lr_yaml}"], "lr must be a number (got 'fast')"),
+    ("train", ["--config", "{model_yaml}"], "unknown fields ['d_model', 'headdim', 'n_layers']"),
+    ("train", ["--config", "{train_yaml}", "--set", "lr=1e-3", "--set", "stepz=2"], "has no field 'stepz'"),
+    ("train", ["--config", "{train_yaml}", "--set", "steps=-5"], "steps must be a positive integer (got -5)"),
+    ("train", ["--config", "{train_yaml}", "--set", "model_config.d_model.x=1"], "model_config.d_model is None"),
+    ("train", [], "the following arguments are required: --config"),
+    ("compare", ["--tokens", "-5"], "tokens must be a positive integer (got -5)"),
+    ("compare", ["--config", "{bad_yaml}"], "is not valid yaml"),
+    ("compare", ["--models", "gpt"], "models must be a non-empty subset"),
+    ("tasks", ["--tasks", "sorting"], "tasks must be"),
+    ("tasks", ["--steps", "x"], "argument --steps: invalid int value: 'x'"),
+    ("tasks", ["--config", "{missing_yaml}"], "no config file at"),
+    ("simulate", ["--n", "-5"], "argument --n: expected an integer >= 8, got -5"),
+    ("simulate", ["--max-log2", "3"], "expected an integer >= 10, got 3"),
+    ("inspect", ["{model_yaml}", "--text", "{missing_txt}"], "No such file or directory: {missing_txt}"),
+    ("inspect", ["{no_checkpoints}", "--text", "{model_yaml}"], "holds no checkpoint"),
+    ("inspect", ["{missing_txt}", "--text", "{model_yaml}"], "no checkpoint folder or config file"),
+    ("inspect", ["{model_yaml}", "--text", "{model_yaml}", "--hops", "0"], "expected an integer >= 1, got 0"),
+]
+
+
+@pytest.mark.parametrize("command, args, message", BAD_INPUT)
+def test_bad_input_gives_one_line_and_status_2(bad_files, capsys, command, args, message):
+    status, _, err = run([command, *[a.format(**bad_files) for a in args]], capsys)
+    assert status == 2
+    assert err.count("\n") == 1 and err.startswith(f"sheafgnn {command}: error: "), err
+    assert message.format(**bad_files) in err, err
+
+
+def test_every_command_has_a_bad_input_case():
+    from sheafgnn.cli import DELEGATED
+
+    assert {command for command, _, _ in BAD_INPUT} == {"demo", "build", "inspect", *DELEGATED}
+
+
+def test_bad_input_in_a_fresh_process_has_no_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "sheafgnn.cli", "simulate", "--n", "-5"], cwd=tmp_path,
+                          env={"PYTHONPATH": str(ROOT), "PATH": ""}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "" and not list(tmp_path.iterdir())
+    assert proc.stderr == "sheafgnn simulate: error: argument --n: expected an integer >= 8, got -5 " \
+                          "(see sheafgnn simulate --help)\n"

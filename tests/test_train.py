@@ -21,6 +21,7 @@ from torch import nn
 
 from sheafgnn.baselines import CausalTransformer, TransformerConfig
 from sheafgnn.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+from sheafgnn.cli import main
 from sheafgnn.data import StepSampler, WindowDataset
 from sheafgnn.lm import SequenceLM, build_model
 from sheafgnn.site import ByteTokenizer, SiteBuilder, SiteConfig
@@ -29,7 +30,6 @@ from sheafgnn.train import (
     TrainingDiverged,
     cosine_lr,
     evaluate,
-    main_train,
     param_groups,
     train,
     train_step,
@@ -344,9 +344,9 @@ def test_corrupt_checkpoint_gives_a_clear_error(corpus, trained_run, tmp_path, c
     with pytest.raises(CheckpointError, match=message):
         train(config, resume=True)
     config.save(tmp_path / "config.yaml")
-    assert main_train(["--config", str(tmp_path / "config.yaml"), "--resume"]) == 1
+    assert main(["train", "--config", str(tmp_path / "config.yaml"), "--resume"]) == 2
     err = capsys.readouterr().err
-    assert "sheafgnn train: error:" in err and message.split(":")[0] in err and "Traceback" not in err
+    assert err.startswith("sheafgnn train: error:") and message.split(":")[0] in err and err.count("\n") == 1
 
 
 def test_mismatched_checkpoint_gives_a_clear_error(corpus, trained_run, tmp_path):

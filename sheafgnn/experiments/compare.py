@@ -531,7 +531,7 @@ def parse_compare_args(argv: list[str] | None = None) -> CompareConfig:
 
 def main_compare(argv: list[str] | None = None) -> int:
     """``sheafgnn compare [flags]``; returns the exit status."""
-    return run_report_command("sheafgnn compare", parse_compare_args, run_compare, argv)
+    return run_report_command(parse_compare_args, run_compare, argv)
 
 
 if __name__ == "__main__":

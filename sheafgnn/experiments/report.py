@@ -4,8 +4,8 @@
 
     report_parser(prog, description, config_class, default_out)   --quick, --out, --no-progress, --config
     config_from_args(config_class, namespace, ...)    the --config file, then the flags -> a config
-    run_report_command(prog, parse, run, argv)        flags -> config -> run -> "wrote ..." (exit 0), or
-                                                      "prog: error: ..." on stderr (exit 1)
+    run_report_command(parse, run, argv)              flags -> config -> run -> "wrote ..." (exit 0); bad input
+                                                      raises (sheafgnn.cli.main prints it, exit 2)
     write_report(report, out, name, text, figures)    the figures, out/name.md, out/name.json
     write_json(path, obj)                             indented JSON
     pyplot()                                          matplotlib.pyplot on the Agg backend (files only)
@@ -19,18 +19,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from sheafgnn.config import ArgumentParser
+
 
 def report_parser(prog: str, description: str, config_class: type, default_out: str) -> argparse.ArgumentParser:
     """An argument parser with the flags every report command has: ``--quick``, ``--out``,
     ``--no-progress`` and ``--config`` (a file of ``config_class``, which the other flags override)."""
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser = ArgumentParser(prog=prog, description=description)  # argparse errors: one line, exit 2
     parser.add_argument("--quick", action="store_true", help="toy sizes that run in seconds")
     parser.add_argument("--out", dest="out_dir", help=f"output folder (default: {default_out})")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -52,16 +53,12 @@ def config_from_args(config_class: type, namespace: argparse.Namespace, preset: 
     return config_class.quick(**values) if args["quick"] else config_class(**values)
 
 
-def run_report_command(prog: str, parse: Callable[[list[str] | None], Any], run: Callable[[Any], dict],
+def run_report_command(parse: Callable[[list[str] | None], Any], run: Callable[[Any], dict],
                        argv: list[str] | None) -> int:
-    """Parse flags into a config, run it, list the files written; a ``ValueError`` becomes
-    ``prog: error: ...`` and exit status 1 (the report's ``files`` live in ``config.out_dir``)."""
-    try:
-        config = parse(argv)
-        report = run(config)
-    except ValueError as err:
-        print(f"{prog}: error: {err}", file=sys.stderr)
-        return 1
+    """Parse flags into a config, run it, list the files written (the report's ``files`` live in
+    ``config.out_dir``). Bad input raises; ``sheafgnn.cli.main`` reports it in one line."""
+    config = parse(argv)
+    report = run(config)
     print(f"wrote {', '.join(str(Path(config.out_dir) / f) for f in report['files'])}")
     return 0
 

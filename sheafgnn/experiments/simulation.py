@@ -40,6 +40,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from sheafgnn.config import ArgumentParser, at_least
 from sheafgnn.experiments.learned_topology import main_learned
 from sheafgnn.experiments.report import fit_exponent, label_loglog, power_law_label, pyplot, save_figure, write_json
 from sheafgnn.experiments.synthetic import (
@@ -194,23 +195,26 @@ def hop_sweep(n: int, seed: int, hops: tuple[int, ...]) -> dict:
 
 def parse_simulate_args(argv: list[str] | None = None) -> argparse.Namespace:
     """``sheafgnn simulate`` flags."""
-    parser = argparse.ArgumentParser(prog="sheafgnn simulate",
-                                     description="the paper's synthetic dependency simulation")
-    parser.add_argument("--n", type=int, default=32768, help="tokens for the table (default: 32768)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--hops", type=int, default=3, help="hops H of the site's relations (default: 3)")
-    parser.add_argument("--window", type=int, default=8, help="keys of the local window (default: 8)")
-    parser.add_argument("--max-log2", type=int, default=20, help="scaling run up to n = 2^this (default: 20)")
+    parser = ArgumentParser(prog="sheafgnn simulate", description="the paper's synthetic dependency simulation")
+    parser.add_argument("--n", type=at_least(8), default=32768, help="tokens for the table (default: 32768)")
+    parser.add_argument("--seed", type=at_least(0), default=0)
+    parser.add_argument("--hops", type=at_least(1), default=3, help="hops H of the site's relations (default: 3)")
+    parser.add_argument("--window", type=at_least(1), default=8, help="keys of the local window (default: 8)")
+    parser.add_argument("--max-log2", type=at_least(10), default=20,
+                        help="scaling run up to n = 2^this (default: 20)")
     parser.add_argument("--out", default="runs/simulate", help="output folder (default: runs/simulate)")
     parser.add_argument("--learned", action="store_true",
                         help="instead: train SheafStateLM and score its learned topology (simulate_learned.json)")
-    parser.add_argument("--steps", type=int, default=4500, help="--learned: optimizer steps (default: 4500)")
-    parser.add_argument("--n-train", type=int, default=1 << 19, help="--learned: training tokens (default: 2^19)")
+    parser.add_argument("--steps", type=at_least(1), default=4500,
+                        help="--learned: optimizer steps (default: 4500)")
+    parser.add_argument("--n-train", type=at_least(8), default=1 << 19,
+                        help="--learned: training tokens (default: 2^19)")
     parser.add_argument("--lr", type=float, default=5e-3, help="--learned: peak learning rate (default: 5e-3)")
-    parser.add_argument("--train-window", type=int, default=1024, help="--learned: tokens per window (default: 1024)")
+    parser.add_argument("--train-window", type=at_least(2), default=1024,
+                        help="--learned: tokens per window (default: 1024)")
     parser.add_argument("--gate-penalty", type=float, default=0.01, help="--learned: gate penalty (default: 0.01)")
     parser.add_argument("--max-seconds", type=float, default=None, help="--learned: stop training after this long")
-    parser.add_argument("--threads", type=int, default=1,
+    parser.add_argument("--threads", type=at_least(0), default=1,
                         help="--learned: torch threads (default: 1, the model is tiny; 0: torch's default)")
     return parser.parse_args(argv)
 

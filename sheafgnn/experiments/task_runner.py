@@ -463,7 +463,7 @@ def parse_tasks_args(argv: list[str] | None = None) -> TasksConfig:
 
 def main_tasks(argv: list[str] | None = None) -> int:
     """``sheafgnn tasks [flags]``; returns the exit status."""
-    return run_report_command("sheafgnn tasks", parse_tasks_args, run_tasks, argv)
+    return run_report_command(parse_tasks_args, run_tasks, argv)
 
 
 if __name__ == "__main__":
