@@ -16,17 +16,23 @@ Transformer baselines read only the token ids, through :class:`SequenceLM`.
       ssm   -> SheafStateLM(SheafStateConfig(**options, site=site, gluing=False))
       dense -> SequenceLM(CausalTransformer(TransformerConfig(**options, window=None)))
       local -> SequenceLM(CausalTransformer(TransformerConfig(**options)))   window required
+
+    count_model_parameters(kind, options, vocab_size, site)   counted on the meta device
+    matched_options(kinds, sheaf_options, vocab_size, ...)   baselines' widths matched to the sheaf
+                                                             model's parameter count (within 10%)
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, fields, is_dataclass
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch_geometric.data import HeteroData
 
-from sheafgnn.baselines import CausalTransformer, TransformerConfig
+from sheafgnn.baselines import CausalTransformer, TransformerConfig, count_parameters, match_width
 from sheafgnn.config import check_field_types
 
 MODEL_KINDS = ("sheaf", "dense", "local", "ssm")
@@ -125,3 +131,77 @@ def build_model(kind: str, options: dict, vocab_size: int, site: dict | None = N
             raise ValueError("build_model: model 'ssm' is the sheaf model with gluing off; drop model_config.gluing")
         options["gluing"] = False
     return SheafStateLM(SheafStateConfig(**options))
+
+
+def count_model_parameters(kind: str, options: dict, vocab_size: int, site: dict | None = None) -> int:
+    """Parameters of ``build_model(kind, options, ...)``, counted on the meta device (no memory)."""
+    import sheafgnn.model  # noqa: F401  first import outside the meta context: module-level tables stay on CPU
+
+    with torch.device("meta"):
+        return count_parameters(build_model(kind, options, vocab_size, site))
+
+
+def _match_ssm_width(target: int, base: dict, vocab_size: int, tolerance: float) -> dict:
+    """The ssm options (sheaf options, gluing off) whose d_model brings it closest to ``target`` parameters."""
+    stalk, headdim, expand = base.get("stalk_dim", 4), base.get("headdim", 32), base.get("expand", 2)
+    step = math.lcm(stalk, headdim // math.gcd(headdim, expand))  # keeps stalk_dim | d and headdim | d * expand
+    count = lambda k: count_model_parameters("ssm", {**base, "d_model": k * step}, vocab_size)
+    lo, hi = 1, 1
+    while count(hi) < target:
+        lo, hi = hi, hi * 2
+        if hi * step > 1 << 16:
+            raise ValueError(f"matched_options: no ssm width up to {hi * step} reaches {target} parameters")
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if count(mid) < target else (lo, mid)
+    best = min((lo, hi), key=lambda k: abs(count(k) - target))
+    err = abs(count(best) - target) / target
+    if err > tolerance:
+        raise ValueError(f"matched_options: the closest ssm width d_model={best * step} is {err:.1%} from the sheaf "
+                         f"model's {target} parameters (tolerance {tolerance:.0%}); change n_layers or expand")
+    return {**base, "d_model": best * step}
+
+
+def matched_options(kinds: tuple[str, ...], sheaf_options: dict, vocab_size: int, *, n_heads: int, window: int,
+                    site: dict | None = None, tolerance: float = 0.1) -> tuple[dict[str, dict], dict[str, int]]:
+    """Model options with every baseline's width matched to the sheaf model's parameter count.
+
+    Args:
+        kinds (tuple[str, ...]): models wanted (the sheaf count is the target even if sheaf is absent).
+        sheaf_options (dict): :class:`~sheafgnn.model.SheafStateConfig` fields, ``d_model`` and
+            ``n_layers`` included; ssm uses them too, with gluing off and its own ``d_model``.
+        vocab_size (int): the vocabulary.
+        n_heads (int): attention heads of dense and local; their ``n_layers`` is the sheaf model's.
+        window (int): the local model's attention window.
+        site (dict, optional): the sheaf model's SiteConfig fields.
+        tolerance (float, optional): the largest relative mismatch. (default: :obj:`0.1`)
+
+    Returns:
+        ``(options, counts)``: ``build_model`` options and parameter counts, per kind.
+    """
+    target = count_model_parameters("sheaf", sheaf_options, vocab_size, site)
+    n_layers = sheaf_options.get("n_layers", 2)
+    options, counts = {}, {}
+    for kind in kinds:
+        if kind == "sheaf":
+            options[kind] = dict(sheaf_options)
+        elif kind == "ssm":
+            options[kind] = _match_ssm_width(target, dict(sheaf_options), vocab_size, tolerance)
+        else:
+            win = window if kind == "local" else None
+            cfg = match_width(target, lambda d, w=win: TransformerConfig(vocab_size=vocab_size, d_model=d,
+                                                                         n_layers=n_layers, n_heads=n_heads,
+                                                                         window=w), tolerance=tolerance)
+            options[kind] = {"d_model": cfg.d_model, "n_layers": n_layers, "n_heads": n_heads}
+            if kind == "local":
+                options[kind]["window"] = window
+        counts[kind] = count_model_parameters(kind, options[kind], vocab_size, site if kind == "sheaf" else None)
+    counts["target"] = target
+    return options, counts
+
+
+def print_parameter_counts(options: dict[str, dict], counts: dict[str, int]) -> None:
+    """A table of each model's width and parameter count vs the sheaf target."""
+    print(f"{'model':<8}{'d_model':>9}{'params':>13}{'vs sheaf':>10}")
+    for kind, opts in options.items():
+        print(f"{kind:<8}{opts['d_model']:>9}{counts[kind]:>13,}{counts[kind] / counts['target'] - 1:>+10.1%}")

@@ -12,13 +12,12 @@ from sheafgnn.experiments.compare import (
     CompareConfig,
     main_compare,
     markdown,
-    matched_options,
     parse_compare_args,
     run_compare,
     speed_ratios,
     sweep_one,
 )
-from sheafgnn.lm import MODEL_KINDS
+from sheafgnn.lm import MODEL_KINDS, matched_options
 from sheafgnn.memory import PeakMemory
 
 

@@ -50,11 +50,10 @@ from torch import nn
 from torch_geometric.data import Batch
 from tqdm import tqdm
 
-from sheafgnn.baselines import TransformerConfig, count_parameters, match_width
 from sheafgnn.config import ConfigFile
 from sheafgnn.data import WindowDataset, train_validation_text
 from sheafgnn.experiments.report import config_from_args, pyplot, report_parser, run_report_command, write_report
-from sheafgnn.lm import MODEL_KINDS, build_model
+from sheafgnn.lm import MODEL_KINDS, build_model, matched_options, print_parameter_counts
 from sheafgnn.memory import PeakMemory, keep_freed_memory
 from sheafgnn.site import ByteTokenizer, SiteBuilder, SiteConfig, build_site
 from sheafgnn.train import TrainConfig, resolve_device, train
@@ -125,80 +124,6 @@ class CompareConfig(ConfigFile):
 # ---------------------------------------------------------------------------
 # Parameter matching
 # ---------------------------------------------------------------------------
-
-
-def count_model_parameters(kind: str, options: dict, vocab_size: int, site: dict | None = None) -> int:
-    """Parameters of ``build_model(kind, options, ...)``, counted on the meta device (no memory)."""
-    import sheafgnn.model  # noqa: F401  first import outside the meta context: module-level tables stay on CPU
-
-    with torch.device("meta"):
-        return count_parameters(build_model(kind, options, vocab_size, site))
-
-
-def _match_ssm_width(target: int, base: dict, vocab_size: int, tolerance: float) -> dict:
-    """The ssm options (sheaf options, gluing off) whose d_model brings it closest to ``target`` parameters."""
-    stalk, headdim, expand = base.get("stalk_dim", 4), base.get("headdim", 32), base.get("expand", 2)
-    step = math.lcm(stalk, headdim // math.gcd(headdim, expand))  # keeps stalk_dim | d and headdim | d * expand
-    count = lambda k: count_model_parameters("ssm", {**base, "d_model": k * step}, vocab_size)
-    lo, hi = 1, 1
-    while count(hi) < target:
-        lo, hi = hi, hi * 2
-        if hi * step > 1 << 16:
-            raise ValueError(f"matched_options: no ssm width up to {hi * step} reaches {target} parameters")
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if count(mid) < target else (lo, mid)
-    best = min((lo, hi), key=lambda k: abs(count(k) - target))
-    err = abs(count(best) - target) / target
-    if err > tolerance:
-        raise ValueError(f"matched_options: the closest ssm width d_model={best * step} is {err:.1%} from the sheaf "
-                         f"model's {target} parameters (tolerance {tolerance:.0%}); change n_layers or expand")
-    return {**base, "d_model": best * step}
-
-
-def matched_options(kinds: tuple[str, ...], sheaf_options: dict, vocab_size: int, *, n_heads: int, window: int,
-                    site: dict | None = None, tolerance: float = 0.1) -> tuple[dict[str, dict], dict[str, int]]:
-    """Model options with every baseline's width matched to the sheaf model's parameter count.
-
-    Args:
-        kinds (tuple[str, ...]): models wanted (the sheaf count is the target even if sheaf is absent).
-        sheaf_options (dict): :class:`~sheafgnn.model.SheafStateConfig` fields, ``d_model`` and
-            ``n_layers`` included; ssm uses them too, with gluing off and its own ``d_model``.
-        vocab_size (int): the vocabulary.
-        n_heads (int): attention heads of dense and local; their ``n_layers`` is the sheaf model's.
-        window (int): the local model's attention window.
-        site (dict, optional): the sheaf model's SiteConfig fields.
-        tolerance (float, optional): the largest relative mismatch. (default: :obj:`0.1`)
-
-    Returns:
-        ``(options, counts)``: ``build_model`` options and parameter counts, per kind.
-    """
-    target = count_model_parameters("sheaf", sheaf_options, vocab_size, site)
-    n_layers = sheaf_options.get("n_layers", 2)
-    options, counts = {}, {}
-    for kind in kinds:
-        if kind == "sheaf":
-            options[kind] = dict(sheaf_options)
-        elif kind == "ssm":
-            options[kind] = _match_ssm_width(target, dict(sheaf_options), vocab_size, tolerance)
-        else:
-            win = window if kind == "local" else None
-            cfg = match_width(target, lambda d, w=win: TransformerConfig(vocab_size=vocab_size, d_model=d,
-                                                                         n_layers=n_layers, n_heads=n_heads,
-                                                                         window=w), tolerance=tolerance)
-            options[kind] = {"d_model": cfg.d_model, "n_layers": n_layers, "n_heads": n_heads}
-            if kind == "local":
-                options[kind]["window"] = window
-        counts[kind] = count_model_parameters(kind, options[kind], vocab_size, site if kind == "sheaf" else None)
-    counts["target"] = target
-    return options, counts
-
-
-def print_parameter_counts(options: dict[str, dict], counts: dict[str, int]) -> None:
-    """A table of each model's width and parameter count vs the sheaf target."""
-    print(f"{'model':<8}{'d_model':>9}{'params':>13}{'vs sheaf':>10}")
-    for kind, opts in options.items():
-        print(f"{kind:<8}{opts['d_model']:>9}{counts[kind]:>13,}{counts[kind] / counts['target'] - 1:>+10.1%}")
 
 
 # ---------------------------------------------------------------------------

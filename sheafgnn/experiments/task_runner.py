@@ -6,7 +6,7 @@ r"""``sheafgnn tasks``: the structured dependency tasks for sheaf, dense, local 
 
     TasksConfig
       for task in (mqar, selective_copying, induction_heads):      generators: experiments.tasks
-        matched_options (experiments.compare) baselines' widths matched to the sheaf model's
+        matched_options (sheafgnn.lm)      baselines' widths matched to the sheaf model's
                                               parameters for this task's vocabulary (or --equal-width)
         for model in (sheaf, dense, local, ssm):
           train_task     sheafgnn.train's train_step: AdamW, warm-up + cosine, clipping; fresh
@@ -65,10 +65,10 @@ from torch_geometric.data import Batch
 from tqdm import tqdm
 
 from sheafgnn.config import ConfigFile
-from sheafgnn.experiments.compare import BASELINE_SITE, count_model_parameters, matched_options, print_parameter_counts
+from sheafgnn.experiments.compare import BASELINE_SITE
 from sheafgnn.experiments.report import config_from_args, pyplot, report_parser, run_report_command, write_report
 from sheafgnn.experiments.tasks import IGNORE_INDEX, induction_heads, mqar, selective_copying
-from sheafgnn.lm import MODEL_KINDS, build_model
+from sheafgnn.lm import MODEL_KINDS, build_model, count_model_parameters, matched_options, print_parameter_counts
 from sheafgnn.memory import keep_freed_memory
 from sheafgnn.site import SiteConfig, build_site
 from sheafgnn.train import cosine_lr, param_groups, resolve_device, train_step
@@ -279,7 +279,7 @@ def task_options(config: TasksConfig, vocab_size: int) -> tuple[dict[str, dict],
     """``build_model`` options and parameter counts per model for one task's vocabulary.
 
     The sheaf model is at ``d_model``; the others are matched to its parameter
-    count (:func:`~sheafgnn.experiments.compare.matched_options`), or, with
+    count (:func:`~sheafgnn.lm.matched_options`), or, with
     ``equal_width``, all at ``d_model`` too (counts then differ; they are printed).
     """
     sheaf_options = {"d_model": config.d_model, "n_layers": config.n_layers, **config.sheaf}
