@@ -11,7 +11,9 @@ F       stalks: d stalk dims x f channels on each node   sheafgnn/nn/sheaf.py: `
                                                          (``stalk_dim`` d, ``channels`` f)
 Phi     selective SSM along each chain of states         sheafgnn/nn/ssm.py: ``SelectiveSSM``
                                                          (scan kernels in sheafgnn/nn/ssm_kernels.py)
-G       sheaf gluing with learned restriction maps       sheafgnn/nn/sheaf.py: ``SheafConv``
+G       sheaf gluing with learned restriction maps       sheafgnn/nn/sheaf.py: ``SheafConv``, along the
+        along a learned, competitive topology            edges that sheafgnn/nn/topology.py:
+                                                         ``LearnedTopology`` chooses
 E       site-aware experts, routed by patch type         sheafgnn/nn/experts.py: ``PatchExperts``
 R       readout: output states to next-token logits      sheafgnn/model.py: ``SheafStateLM.readout``
 ======  ===============================================  =================================================
@@ -25,7 +27,9 @@ A block is::
     |- pool:              h_patch += W_pool mean_{cover}(h_tok) segment_csr over the cover
     |- Phi  patch chains: h_chain += SSM(norm(h_chain))        chained types, each chain in time order
     |- read:              h_out   += h_tok                      output t reads token t
-    |- G    gluing:       h = SheafConv(h, kept candidates, gates)   learned topology
+    |- choose:            pools (site rules + content + random proposals), top-k per destination,
+    |                     softmax weights with a "nothing" logit         LearnedTopology
+    |- G    gluing:       h = SheafConv(h, kept edges, weights)
     |- E    experts:      h += PatchExperts(norm(h))           routed by node type
     '- broadcast:         h_tok += W_out h_out                  output t -> token t
     R: logits = norm(h_out) @ W_emb^T                            (num_tokens, V), tied to the token embedding
@@ -46,13 +50,13 @@ from torch_geometric.data import HeteroData
 from sheafgnn.config import ConfigFile
 from sheafgnn.nn.experts import PatchExperts
 from sheafgnn.nn.quant import apply_quant, validate_quant
-from sheafgnn.nn.segment import ptr_from_index, segment_mean
+from sheafgnn.nn.segment import segment_mean
 from sheafgnn.nn.sheaf import SheafConv
 from sheafgnn.nn.ssm import SelectiveSSM
-from sheafgnn.nn.topology import TopologyScorer
+from sheafgnn.nn.topology import LearnedTopology, Selection, TopologyInput
 from sheafgnn.site.builder import build_site, validate_site
 from sheafgnn.site.flat import FLAT_TYPES, FlatSite, flatten_site
-from sheafgnn.site.schema import CANDIDATE_EDGES, NODE_TYPES, SiteConfig
+from sheafgnn.site.schema import GLUE_EDGES, NODE_TYPES, SiteConfig
 
 
 @dataclass
@@ -70,8 +74,11 @@ class SheafStateConfig(ConfigFile):
     chunk_size: int = 64  # SSD chunk length
     expert_mult: int = 2  # expert hidden width = expert_mult * d_model
     num_experts: int = 1  # experts per node type (> 1: top-1 routing + balance loss)
-    topology_k: int = 4  # candidate edges kept per destination and edge type
-    gate_penalty: float = 1e-3  # weight of mean(gate) in the loss (sparsity)
+    topology_k: int = 8  # candidates kept per destination (all edge types compete together)
+    topology_rank: int = 16  # width r of the topology's query/key projections
+    content_blocks: int = 2  # content-addressed blocks proposed per output (0: off)
+    proposal_block: int = 16  # tokens per content block B
+    random_proposals: int = 4  # seeded random past tokens proposed per output
     balance_weight: float = 1e-2  # weight of the experts' load-balancing loss
     num_topics: int = 64  # topic ids embedded (ids wrap modulo this)
     gluing: bool = True  # False: Phi + token feed-forward only (the ssm ablation)
@@ -83,6 +90,10 @@ class SheafStateConfig(ConfigFile):
         if self.d_model % self.stalk_dim != 0:
             raise ValueError(f"SheafStateConfig: stalk_dim must divide d_model "
                              f"(got {self.stalk_dim} and {self.d_model})")
+        if self.topology_k < 1 or self.proposal_block < 1 or min(self.content_blocks, self.random_proposals) < 0:
+            raise ValueError(f"SheafStateConfig: need topology_k >= 1, proposal_block >= 1 and content_blocks, "
+                             f"random_proposals >= 0 (got {self.topology_k}, {self.proposal_block}, "
+                             f"{self.content_blocks}, {self.random_proposals})")
         if self.n_layers < 1 or self.vocab_size < 2:
             raise ValueError(f"SheafStateConfig: need n_layers >= 1 and vocab_size >= 2 "
                              f"(got {self.n_layers} and {self.vocab_size})")
@@ -92,6 +103,12 @@ class SheafStateConfig(ConfigFile):
     @property
     def site_config(self) -> SiteConfig:
         return SiteConfig.from_dict(self.site)
+
+
+def topology_input(site: FlatSite) -> TopologyInput:
+    """What the learned topology reads of a flat site: rule candidates, node types, token positions."""
+    return TopologyInput(site.glue_index, site.glue_type, site.glue_ptr, site.node_type, site.tokens,
+                         site.outputs, site.token_pos, site.token_graph_start)
 
 
 class SheafBlock(nn.Module):
@@ -113,11 +130,15 @@ class SheafBlock(nn.Module):
         self.pool = nn.Linear(D, D, bias=False)
         self.norm_patch = nn.LayerNorm(D)
         self.phi_patch = SelectiveSSM(D, **ssm_args)
-        self.topology = TopologyScorer(D, len(CANDIDATE_EDGES), config.topology_k)
-        self.glue = SheafConv(D, config.stalk_dim, map_kind=config.map_kind, num_edge_types=len(CANDIDATE_EDGES))
+        self.topology = LearnedTopology(D, len(GLUE_EDGES), len(FLAT_TYPES), config.topology_k,
+                                        rank=config.topology_rank, content_blocks=config.content_blocks,
+                                        block_size=config.proposal_block, random_proposals=config.random_proposals)
+        # The softmax weights of the selection already normalise each destination's messages.
+        self.glue = SheafConv(D, config.stalk_dim, map_kind=config.map_kind, num_edge_types=len(GLUE_EDGES),
+                              normalize="none")
         self.broadcast = nn.Linear(D, D, bias=False)
 
-    def forward(self, h: Tensor, site: FlatSite) -> tuple[Tensor, dict[str, Tensor]]:
+    def forward(self, h: Tensor, site: FlatSite, return_candidates: bool = False) -> tuple[Tensor, dict]:
         tok, patches, chained, out = site.tokens, site.patches, site.chained, site.outputs
         h_tok = h[tok] + self.phi_token(self.norm_token(h[tok]), site.token_reset)  # (num_tokens, D)
         if not self.gluing:
@@ -132,15 +153,14 @@ class SheafBlock(nn.Module):
         # Output t reads token t: its state starts from the token's (the 'token reads output' edge).
         h = torch.cat([h_tok, h_chain, h_patch[num_chained:], h[out] + h_tok])  # (N, D)
 
-        gate, keep = self.topology(h, site.glue_index, site.glue_type)  # (num_edges,), (num_edges,)
-        kept_index = site.glue_index[:, keep]  # still sorted by destination
-        kept_ptr = ptr_from_index(kept_index[1], site.num_nodes)
-        h, energy = self.glue(h, kept_index, site.glue_type[keep], gate[keep], return_energy=True, ptr=kept_ptr)
+        chosen = self.topology(h, topology_input(site), return_candidates)  # kept edges, sorted by destination
+        h, energy = self.glue(h, chosen.edge_index, chosen.edge_type, chosen.weight, return_energy=True,
+                              ptr=chosen.ptr)
 
         update, balance = self.experts(self.norm_expert(h), site.type_ptr)
         h = h + update
         h = torch.cat([h[tok] + self.broadcast(h[out]), h[tok.stop :]])  # broadcast: output t -> token t
-        return h, {"balance": balance, "gate": gate, "keep": keep, "energy": energy}
+        return h, {"balance": balance, "selection": chosen, "energy": energy}
 
 
 class SheafStateLM(nn.Module):
@@ -201,7 +221,7 @@ class SheafStateLM(nn.Module):
         blocks = [h[site.block(t)] + extra[t] if t in extra else h[site.block(t)] for t in FLAT_TYPES[1:]]
         return torch.cat([tokens, *blocks])  # (N, D)
 
-    def _forward(self, data: HeteroData) -> tuple[Tensor, list[dict[str, Tensor]], FlatSite]:
+    def _forward(self, data: HeteroData, return_candidates: bool = False) -> tuple[Tensor, list[dict], FlatSite]:
         self._check(data)
         x = data["token"].x
         if x.numel() and int(x.max()) >= self.config.vocab_size:
@@ -210,7 +230,7 @@ class SheafStateLM(nn.Module):
         h = self._embed(data, site)  # (N, D), or (num_tokens, D) without gluing
         infos = []
         for block in self.blocks:
-            h, info = block(h, site)
+            h, info = block(h, site, return_candidates) if self.config.gluing else block(h, site)
             infos.append(info)
         h_out = h[site.block("output")] if self.config.gluing else h  # (num_tokens, D)
         return self.readout(h_out), infos, site
@@ -236,33 +256,45 @@ class SheafStateLM(nn.Module):
         loss = F.cross_entropy(logits, data["token"].y, ignore_index=-100)
         for info in infos:
             loss = loss + self.config.balance_weight * info["balance"]
-            if "gate" in info and info["gate"].numel():
-                loss = loss + self.config.gate_penalty * info["gate"].mean()
         return loss
 
     @torch.no_grad()
-    def topology(self, data: HeteroData, block: int = -1) -> dict[tuple[str, str, str], dict[str, Tensor]]:
-        """The learned topology of one block (default: the last).
+    def topology(self, data: HeteroData, block: int = -1,
+                 candidates: bool = False) -> dict[tuple[str, str, str], dict[str, Tensor]]:
+        """The learned topology of one block (default: the last), in evaluation mode.
 
-        Returns, per candidate edge type, the kept edges in that type's node
-        indices with their gates and gluing energies:
-        ``{edge_type: {"edge_index": (2, num_kept), "gate": (num_kept,), "energy": (num_kept,)}}``.
+        Returns, per glue edge type (:data:`~sheafgnn.site.schema.GLUE_EDGES`:
+        the site's rule types, then the content-addressed ``token matches
+        output`` and the random ``token explores output`` proposals), the kept
+        edges in that type's node indices::
+
+            {edge_type: {"edge_index": (2, num_kept), "score": (num_kept,), "weight": (num_kept,),
+                         "energy": (num_kept,), "num_candidates": int}}
+
+        ``weight`` is the softmax weight of the edge's message (a
+        destination's weights sum to one minus its "nothing" weight). With
+        ``candidates=True`` each entry also holds the whole pool:
+        ``"candidate_index"`` (2, C) and ``"candidate_score"`` (C,).
         """
         if not self.config.gluing:
             raise ValueError("SheafStateLM.topology: this model has gluing switched off (the ssm ablation)")
         was_training = self.training
         self.eval()
-        _, infos, site = self._forward(data)
+        _, infos, site = self._forward(data, return_candidates=candidates)
         self.train(was_training)
-        info = infos[block]
-        keep = info["keep"]
-        index, types, gate = site.glue_index[:, keep], site.glue_type[keep], info["gate"][keep]
+        chosen: Selection = infos[block]["selection"]
         out = {}
-        for t, (src_type, rel, dst_type) in enumerate(CANDIDATE_EDGES):
-            mask = types == t
-            shift = torch.tensor([[site.block(src_type).start], [site.block(dst_type).start]], device=index.device)
-            out[(src_type, rel, dst_type)] = {"edge_index": index[:, mask] - shift, "gate": gate[mask],
-                                              "energy": info["energy"][mask]}
+        for t, (src_type, rel, dst_type) in enumerate(GLUE_EDGES):
+            shift = torch.tensor([[site.block(src_type).start], [site.block(dst_type).start]], device=site.time.device)
+            mask = chosen.edge_type == t
+            entry = {"edge_index": chosen.edge_index[:, mask] - shift, "score": chosen.score[mask],
+                     "weight": chosen.weight[mask], "energy": infos[block]["energy"][mask],
+                     "num_candidates": int(chosen.num_candidates[t])}
+            if candidates:
+                index, types, score = chosen.candidates
+                pool = types == t
+                entry["candidate_index"], entry["candidate_score"] = index[:, pool] - shift, score[pool]
+            out[(src_type, rel, dst_type)] = entry
         return out
 
     @torch.no_grad()

@@ -8,6 +8,7 @@ from sheafgnn.nn.experts import PatchExperts
 from sheafgnn.nn.segment import HAS_TORCH_SCATTER, use_backend
 from sheafgnn.nn.topology import topk_per_group
 from sheafgnn.site import CANDIDATE_EDGES, build_site
+from sheafgnn.site.schema import GLUE_EDGES
 
 from .conftest import CODE, PROSE, assert_logits_causal, small_model_config
 
@@ -84,22 +85,28 @@ def test_loss_falls(full_config):
 
 
 def test_topology_contract(full_config):
-    model = SheafStateLM(_config(full_config, topology_k=1))
+    k = 3
+    model = SheafStateLM(_config(full_config, topology_k=k))
     data = build_site(PROSE, model.config.site_config)
     topology = model.topology(data)
-    assert set(topology) == set(CANDIDATE_EDGES)
+    assert set(topology) == set(GLUE_EDGES)
+    kept_per_destination = {}
     for edge_type, out in topology.items():
         src_type, _, dst_type = edge_type
         index = out["edge_index"]
-        assert index.shape[0] == 2 and out["gate"].shape == out["energy"].shape == (index.shape[1],)
-        assert ((out["gate"] > 0) & (out["gate"] < 1)).all()
+        num = index.shape[1]
+        assert index.shape[0] == 2 and out["score"].shape == out["weight"].shape == out["energy"].shape == (num,)
+        assert ((out["weight"] > 0) & (out["weight"] < 1)).all()
         assert (out["energy"] >= 0).all()
-        # kept edges are edges of the site, and at most k per destination
-        site_edges = set(map(tuple, data[edge_type].edge_index.T.tolist()))
-        assert set(map(tuple, index.T.tolist())) <= site_edges
-        if index.numel():
-            assert torch.bincount(index[1]).max() <= 1
+        assert out["num_candidates"] >= num
+        if edge_type in CANDIDATE_EDGES:  # kept rule edges are edges of the site
+            site_edges = set(map(tuple, data[edge_type].edge_index.T.tolist()))
+            assert set(map(tuple, index.T.tolist())) <= site_edges
+        for d in index[1].tolist():
+            kept_per_destination[(dst_type, d)] = kept_per_destination.get((dst_type, d), 0) + 1
         assert (data[src_type].time[index[0]] <= data[dst_type].time[index[1]]).all()
+    # all edge types of a destination compete for one budget of k
+    assert max(kept_per_destination.values()) == k
 
 
 def test_topk_per_group():

@@ -1,27 +1,55 @@
-r"""Learned topology: score the candidate edges, keep the top-k, gate messages.
+r"""Learned topology: candidate pools, one competition per destination, softmax weights.
 
-The site builder proposes candidate edges from cheap causal generators; this
-module decides which of them carry messages. For a candidate
-:math:`e = (u \to v)` of type :math:`\tau`,
+The topology is learned only if the model *chooses*: every destination that
+gathers context gets a pool of candidate sources several times larger than
+what it keeps, all of its candidates compete together, and the score of a
+kept candidate is the logit of the softmax that weighs its message, so the
+score is on the gradient path (a softmax over one candidate, or a hard mask,
+would pass no gradient)::
 
-.. math::
-    s_e = \frac{\langle \mathbf{Q} \mathbf{x}_v, \mathbf{K} \mathbf{x}_u
-    \rangle}{\sqrt{r}} + b_\tau, \qquad g_e = \sigma(s_e),
+    candidates of destination v          score s_e = <W_q x_v, W_k x_u> / sqrt(r) + b_type(e)
+      rule proposals    the site's causal edges into v (chains, anchors, links, reads)
+      content proposals the tokens of the `content_blocks` best complete blocks before v
+                        (outputs only; block summary = mean of the block's keys, NSA / MoBA style)
+      random proposals  `random_proposals` past tokens, a seeded hash of v's position (outputs only)
+    keep                the k best of the pool (all types together)
+    weight              alpha_e = softmax([s_kept..., s_sink(type of v)])_e
+                        the learned "nothing" logit s_sink lets v take no message:
+                        sum of alpha over v's kept edges = 1 - alpha_sink(v)
 
-the edges with the ``k`` highest scores among each destination's in-edges
-of one type are kept, and :math:`g_e` weights the kept edge's message. The
-penalty :math:`\lambda \cdot \mathrm{mean}(g)` pushes unused edges towards
-zero. Scores depend on the two endpoint states only, and a destination's
-choice on its own in-edges only, so the topology stays causal. There is no
-sampling: training and evaluation pick the same edges for the same states.
+The weights multiply the sheaf transport (:class:`~sheafgnn.nn.sheaf.SheafConv`
+with ``edge_weight=alpha`` and ``normalize="none"``).
+
+**Causality.** A candidate's source has ``time <= time[v]``: rule edges are
+causal by construction; content blocks are complete before v's position
+(block ``j`` of a graph, tokens ``[jB, jB + B)``, qualifies for position
+``p`` iff ``jB + B <= p``); random proposals are tokens at positions
+``<= p`` of the same graph. The choice of v reads only v's state and its
+candidates' states, and the softmax runs over v's own pool.
+
+**Cost.** Rule and random candidates cost O(n) scores. Content proposals
+score, for every output, the complete blocks before it: ``n * n / B``
+dot products of rank ``r``, that is O(n^2 r / B) time, computed in chunks of
+rows so that memory stays O(n + chunk * n / B); at B = 16, r = 16 this is
+the same number of multiply-adds as an (n x n) attention score matrix of
+width 1, and it is measured in ``benchmarks/bench_model.py``. The chosen
+blocks then give ``content_blocks * B`` token candidates per output, O(n).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch_geometric.utils import softmax as segment_softmax
+
+from sheafgnn.nn.segment import ptr_from_index
+
+# Multipliers of the position hash (odd 31-bit constants; int64 products wrap).
+_HASH_MULTIPLIERS = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F)
+_SCORE_CHUNK = 1 << 22  # block scores held at once (rows x blocks) in content_blocks
 
 
 def topk_per_group(score: Tensor, group: Tensor, k: int) -> Tensor:
@@ -29,7 +57,7 @@ def topk_per_group(score: Tensor, group: Tensor, k: int) -> Tensor:
 
     Args:
         score (Tensor): (E,) scores.
-        group (Tensor): (E,) group ids (e.g. destination * num_types + type).
+        group (Tensor): (E,) group ids (e.g. destinations).
         k (int): edges kept per group.
 
     Returns:
@@ -50,44 +78,275 @@ def topk_per_group(score: Tensor, group: Tensor, k: int) -> Tensor:
     return keep
 
 
-class TopologyScorer(nn.Module):
-    r"""Scores candidate edges and keeps the top-k per destination and type.
+def random_proposals(position: Tensor, graph_start: Tensor, count: int, seed: int = 0) -> Tensor:
+    r"""``count`` pseudo-random past tokens per destination, a pure function of (seed, position).
+
+    Token ``graph_start + (hash(seed, p, i) mod (p + 1))`` for ``i < count``:
+    positions ``<= p`` of the same graph, the same for the same position
+    whatever the text, so the proposals are causal and reproducible (a
+    stream that meets position ``p`` later draws the same tokens).
+
+    Args:
+        position (Tensor): (M,) position ``p`` of each destination in its graph.
+        graph_start (Tensor): (M,) global index of its graph's first token.
+        count (int): proposals per destination.
+        seed (int, optional): (default: :obj:`0`)
+
+    Returns:
+        (M, count) global token indices.
+    """
+    a, b, c, d = _HASH_MULTIPLIERS
+    i = torch.arange(count, device=position.device)  # (R,)
+    x = position.view(-1, 1) * a + i * b + (seed + 1) * c  # (M, R), int64 products wrap
+    x = x ^ (x >> 15)
+    x = x * d
+    x = (x ^ (x >> 13)) & ((1 << 62) - 1)  # non-negative
+    return graph_start.view(-1, 1) + x % (position.view(-1, 1) + 1)
+
+
+@torch.no_grad()
+def content_blocks(query: Tensor, token_key: Tensor, position: Tensor, graph_start: Tensor,
+                   block_size: int, num_blocks: int, random_scores: bool = False) -> Tensor:
+    r"""The ``num_blocks`` best complete blocks before each destination (NSA / MoBA-style proposals).
+
+    Tokens are cut into blocks of ``block_size`` per graph (block ``j``:
+    positions ``[jB, jB + B)``). A block's summary key is the mean of its
+    tokens' keys (a prefix-sum difference); destination ``m`` at position
+    ``p`` scores the blocks with ``jB + B <= p`` by ``<q_m, k_block>`` and
+    takes the best ones. The choice is detached (no gradient passes a
+    hard top-k); the block summaries share ``W_k`` with the token scores,
+    so they sharpen as the token-level competition learns.
+
+    Args:
+        query (Tensor): (M, r) destination queries (one per token position, in token order).
+        token_key (Tensor): (num_tokens, r) token keys.
+        position (Tensor): (num_tokens,) position of each token in its graph.
+        graph_start (Tensor): (num_tokens,) global index of each token's graph's first token.
+        block_size (int): B.
+        num_blocks (int): blocks kept per destination.
+        random_scores (bool, optional): rank blocks by seeded noise instead (the random-score
+            ablation). (default: :obj:`False`)
+
+    Returns:
+        (M, num_blocks) global index of each chosen block's first token, -1 where fewer
+        blocks qualify.
+    """
+    n, B = token_key.size(0), block_size
+    index = torch.arange(n, device=token_key.device)
+    end = index + B - 1
+    complete = (position % B == 0) & (end < n)
+    complete &= graph_start[end.clamp(max=n - 1)] == graph_start
+    block_start = index[complete]  # (num_all_blocks,) sorted
+    out = torch.full((n, num_blocks), -1, dtype=torch.long, device=token_key.device)
+    if block_start.numel() == 0:
+        return out
+    prefix = torch.cat([token_key.new_zeros(1, token_key.size(1)), token_key.cumsum(0)])  # (n + 1, r)
+    block_key = (prefix[block_start + B] - prefix[block_start]) / B  # (num_all_blocks, r)
+    first = torch.searchsorted(block_start, graph_start)  # (n,) first block of the row's graph
+    last = first + position // B  # (n,) one past the last qualifying block
+    rows = max(1, _SCORE_CHUNK // block_start.numel())
+    generator = torch.Generator(device=token_key.device).manual_seed(0) if random_scores else None
+    for a in range(0, n, rows):
+        b = min(n, a + rows)
+        lo, hi = int(first[a]), int(last[a:b].max())
+        if hi <= lo:
+            continue
+        if random_scores:
+            score = torch.rand(b - a, hi - lo, generator=generator, device=token_key.device)
+        else:
+            score = query[a:b] @ block_key[lo:hi].T  # (rows, blocks)
+        col = torch.arange(lo, hi, device=score.device)
+        ok = (col >= first[a:b, None]) & (col < last[a:b, None])
+        score = score.masked_fill(~ok, float("-inf"))
+        top, pick = score.topk(min(num_blocks, hi - lo), dim=1)  # (rows, m)
+        chosen = torch.where(torch.isfinite(top), block_start[lo + pick], -1)
+        out[a:b, : chosen.size(1)] = chosen
+    return out
+
+
+@dataclass
+class Selection:
+    """What :class:`LearnedTopology` chose: the kept edges, sorted by destination."""
+
+    edge_index: Tensor  # (2, E_kept) global node ids, sorted by destination
+    edge_type: Tensor  # (E_kept,) index into the glue edge types
+    weight: Tensor  # (E_kept,) softmax weight alpha_e (a destination's sum: 1 - its sink weight)
+    score: Tensor  # (E_kept,) the logit s_e
+    ptr: Tensor  # (N + 1,) destination CSR pointer of the kept edges
+    num_candidates: Tensor  # (num_edge_types,) candidates in the pools, per edge type
+    candidates: tuple[Tensor, Tensor, Tensor] | None = None  # pools: (2, C) index, (C,) type, (C,) score
+
+
+@dataclass
+class TopologyInput:
+    """The parts of a flat site the selection reads (see :class:`~sheafgnn.site.flat.FlatSite`)."""
+
+    rule_index: Tensor  # (2, E) rule candidates, sorted by destination
+    rule_type: Tensor  # (E,)
+    rule_ptr: Tensor  # (N + 1,)
+    node_type: Tensor  # (N,) flat node type of every node
+    tokens: slice  # the token block of the flat node order
+    outputs: slice  # the output block; output i reads token i
+    token_pos: Tensor  # (num_tokens,) position in the graph
+    token_graph_start: Tensor  # (num_tokens,) global index of the graph's first token
+
+
+class LearnedTopology(nn.Module):
+    r"""Chooses the gluing edges: pools of candidates, top-k per destination, softmax weights.
+
+    For a candidate :math:`e = (u \to v)` of type :math:`\tau`,
+
+    .. math::
+        s_e = \frac{\langle \mathbf{W}_q \mathbf{x}_v, \mathbf{W}_k \mathbf{x}_u
+        \rangle}{\sqrt{r}} + b_\tau, \qquad
+        \alpha_e = \frac{\exp s_e}{\exp s_{\varnothing, \kappa(v)} +
+        \sum_{e' \in K(v)} \exp s_{e'}} \quad (e \in K(v)),
+
+    where :math:`K(v)` holds the :math:`k` best candidates of :math:`v`'s pool
+    (rule, content and random proposals together, see the module docstring)
+    and :math:`s_{\varnothing, \kappa}` is a learned "nothing" logit per
+    destination node type :math:`\kappa`.
 
     Args:
         channels (int): node width :math:`D`.
-        num_edge_types (int): number of candidate edge types.
-        k (int): edges kept per destination and edge type.
-        rank (int, optional): width :math:`r` of the query/key projections.
-            (default: :obj:`16`)
+        num_edge_types (int): glue edge types: the rule types, then content, then random.
+        num_node_types (int): flat node types (one sink logit each).
+        k (int): candidates kept per destination.
+        rank (int, optional): width :math:`r` of the query/key projections. (default: :obj:`16`)
+        content_blocks (int, optional): blocks proposed per output; 0 switches content
+            proposals off. (default: :obj:`2`)
+        block_size (int, optional): tokens per content block :math:`B`. (default: :obj:`16`)
+        random_proposals (int, optional): random past tokens proposed per output. (default: :obj:`4`)
+        seed (int, optional): seed of the random proposals. (default: :obj:`0`)
 
     Shapes:
-        - **input:** node features :math:`(N, D)`, edge indices
-          :math:`(2, E)`, edge types :math:`(E,)`
-        - **output:** gates :math:`(E,)` in :math:`(0, 1)`, keep mask :math:`(E,)`
+        - **input:** node features :math:`(N, D)`, a :class:`TopologyInput`
+        - **output:** a :class:`Selection` (kept edges, weights, scores, pool sizes)
     """
 
-    def __init__(self, channels: int, num_edge_types: int, k: int, rank: int = 16) -> None:
+    def __init__(self, channels: int, num_edge_types: int, num_node_types: int, k: int, rank: int = 16,
+                 content_blocks: int = 2, block_size: int = 16, random_proposals: int = 4, seed: int = 0) -> None:
         super().__init__()
-        if k < 1:
-            raise ValueError(f"TopologyScorer: k must be >= 1 (got {k})")
+        name = self.__class__.__name__
+        if k < 1 or rank < 1 or block_size < 1:
+            raise ValueError(f"{name}: k, rank and block_size must be >= 1 (got {k}, {rank}, {block_size})")
+        if content_blocks < 0 or random_proposals < 0:
+            raise ValueError(f"{name}: content_blocks and random_proposals must be >= 0 "
+                             f"(got {content_blocks} and {random_proposals})")
         self.channels, self.num_edge_types, self.k, self.rank = channels, num_edge_types, k, rank
+        self.content_blocks, self.block_size = content_blocks, block_size
+        self.random_proposals, self.seed = random_proposals, seed
+        self.content_type, self.random_type = num_edge_types - 2, num_edge_types - 1
         self.query = nn.Linear(channels, rank, bias=False)
         self.key = nn.Linear(channels, rank, bias=False)
         self.type_bias = nn.Parameter(torch.empty(num_edge_types))
+        self.sink = nn.Parameter(torch.empty(num_node_types))
+        self.random_scores = False  # the random-score ablation (evaluation only)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         self.query.reset_parameters()
         self.key.reset_parameters()
-        # Start open (gate ~ 0.88): every candidate carries its message until learned otherwise.
-        nn.init.constant_(self.type_bias, 2.0)
+        nn.init.zeros_(self.type_bias)
+        nn.init.zeros_(self.sink)
 
-    def forward(self, x: Tensor, edge_index: Tensor, edge_type: Tensor) -> tuple[Tensor, Tensor]:
-        src, dst = edge_index
-        q, kk = self.query(x), self.key(x)  # (N, r) each: per node, then gathered per edge
-        score = (q[dst] * kk[src]).sum(-1) / math.sqrt(self.rank) + self.type_bias[edge_type]  # (E,)
-        keep = topk_per_group(score, dst * self.num_edge_types + edge_type, self.k)
-        return torch.sigmoid(score), keep
+    def _score(self, q: Tensor, k: Tensor, edge_type: Tensor) -> Tensor:
+        if self.random_scores:  # seeded noise in place of every learned score
+            generator = torch.Generator(device=q.device).manual_seed(self.seed + 1)
+            return torch.randn(edge_type.shape, generator=generator, device=q.device)
+        return (q * k).sum(-1) / math.sqrt(self.rank) + self.type_bias[edge_type]
+
+    def _patch_selection(self, q: Tensor, k: Tensor, inp: TopologyInput, return_candidates: bool):
+        """Rule candidates into non-output destinations: sparse top-k per destination, softmax with the sink."""
+        stop = int(inp.rule_ptr[inp.outputs.start])  # edges into outputs are the sorted tail
+        src, dst = inp.rule_index[:, :stop]
+        edge_type = inp.rule_type[:stop]
+        score = self._score(q[dst], k[src], edge_type)  # (E_p,)
+        keep = topk_per_group(score, dst, self.k)
+        src, dst, edge_type, kept_score = src[keep], dst[keep], edge_type[keep], score[keep]
+        num_dst = inp.outputs.start
+        sink_index = torch.arange(num_dst, device=dst.device)
+        logits = torch.cat([kept_score, self.sink[inp.node_type[:num_dst]]])
+        weight = segment_softmax(logits, torch.cat([dst, sink_index]), num_nodes=num_dst)[: dst.numel()]
+        pool = (inp.rule_index[:, :stop], inp.rule_type[:stop], score) if return_candidates else None
+        return (src, dst, edge_type, weight, kept_score), pool
+
+    def _output_pool(self, q_out: Tensor, k: Tensor, inp: TopologyInput) -> tuple[Tensor, Tensor]:
+        """(num_out, P) candidate sources of every output (-1: padding) and their edge types."""
+        num_out, out0 = q_out.size(0), inp.outputs.start
+        start = int(inp.rule_ptr[out0])
+        src, dst = inp.rule_index[:, start:]
+        dst = dst - out0
+        rule_ptr = inp.rule_ptr[out0:] - start  # (num_out + 1,)
+        width = int(rule_ptr.diff().max()) if num_out else 0
+        slot = torch.arange(src.numel(), device=src.device) - rule_ptr[dst]
+        rule_sources = torch.full((num_out, width), -1, dtype=torch.long, device=src.device)
+        rule_sources[dst, slot] = src
+        rule_types = torch.zeros_like(rule_sources)
+        rule_types[dst, slot] = inp.rule_type[start:]
+        # Proposals first, rules (whose width depends on the whole batch) last: a candidate's column,
+        # and so its rank among equal scores, never depends on other destinations.
+        sources, types = [], []
+        tok0 = inp.tokens.start
+        if self.content_blocks:
+            blocks = content_blocks(q_out, k[inp.tokens], inp.token_pos, inp.token_graph_start - tok0,
+                                    self.block_size, self.content_blocks, self.random_scores)  # (num_out, m)
+            tokens = blocks.unsqueeze(-1) + torch.arange(self.block_size, device=blocks.device)  # (num_out, m, B)
+            tokens = torch.where(blocks.unsqueeze(-1) >= 0, tokens + tok0, -1).flatten(1)  # (num_out, m * B)
+            sources.append(tokens)
+            types.append(torch.full_like(tokens, self.content_type))
+        if self.random_proposals:
+            tokens = random_proposals(inp.token_pos, inp.token_graph_start, self.random_proposals, self.seed)
+            sources.append(tokens)
+            types.append(torch.full_like(tokens, self.random_type))
+        return torch.cat([*sources, rule_sources], 1), torch.cat([*types, rule_types], 1)
+
+    def _output_selection(self, q: Tensor, k: Tensor, inp: TopologyInput, return_candidates: bool):
+        """Every output's pool (rules, content, random) in one dense (num_out, P) competition."""
+        out0 = inp.outputs.start
+        q_out = q[inp.outputs]  # (num_out, r)
+        sources, types = self._output_pool(q_out, k, inp)  # (num_out, P) each
+        valid = sources >= 0
+        score = self._score(q_out.unsqueeze(1), k[sources.clamp(min=0)], types)  # (num_out, P)
+        score = score.masked_fill(~valid, float("-inf"))
+        # A stable sort, not topk: equal scores (a token proposed twice) rank by column, deterministically.
+        top, pick = score.sort(dim=1, descending=True, stable=True)
+        top, pick = top[:, : self.k], pick[:, : self.k]  # (num_out, k)
+        sink = self.sink[inp.node_type[inp.outputs]].unsqueeze(1)  # (num_out, 1)
+        weight = torch.cat([top, sink], 1).softmax(1)[:, :-1]  # (num_out, k): -inf -> 0
+        kept = torch.isfinite(top)
+        dst = torch.arange(out0, out0 + q_out.size(0), device=q.device).unsqueeze(1).expand_as(top)
+        src, edge_type = sources.gather(1, pick), types.gather(1, pick)
+        kept_edges = (src[kept], dst[kept], edge_type[kept], weight[kept], top[kept])
+        pool = None
+        if return_candidates:
+            all_dst = torch.arange(out0, out0 + q_out.size(0), device=q.device).unsqueeze(1).expand_as(sources)
+            pool = (torch.stack([sources[valid], all_dst[valid]]), types[valid], score[valid])
+        return kept_edges, pool
+
+    def forward(self, x: Tensor, inp: TopologyInput, return_candidates: bool = False) -> Selection:
+        q, k = self.query(x), self.key(x)  # (N, r) each
+        patch, patch_pool = self._patch_selection(q, k, inp, return_candidates)
+        output, output_pool = self._output_selection(q, k, inp, return_candidates)
+        src, dst, edge_type, weight, score = (torch.cat([a, b]) for a, b in zip(patch, output))
+        ptr = ptr_from_index(dst, x.size(0))
+        num_candidates = torch.bincount(inp.rule_type, minlength=self.num_edge_types)
+        if self.content_blocks or self.random_proposals:
+            num_candidates = num_candidates + self._proposal_counts(inp)
+        candidates = None
+        if return_candidates:
+            candidates = tuple(torch.cat([a, b], -1) for a, b in zip(patch_pool, output_pool))
+        return Selection(torch.stack([src, dst]), edge_type, weight, score, ptr, num_candidates, candidates)
+
+    def _proposal_counts(self, inp: TopologyInput) -> Tensor:
+        """Content and random candidates in the pools, counted from positions (no scores needed)."""
+        counts = torch.zeros(self.num_edge_types, dtype=torch.long, device=inp.token_pos.device)
+        full_blocks = (inp.token_pos // self.block_size).clamp(max=self.content_blocks)
+        counts[self.content_type] = int(full_blocks.sum()) * self.block_size
+        counts[self.random_type] = inp.token_pos.numel() * self.random_proposals
+        return counts
 
     def __repr__(self) -> str:
-        return f"{self.__class__.__name__}({self.channels}, num_edge_types={self.num_edge_types}, k={self.k})"
+        return (f"{self.__class__.__name__}({self.channels}, num_edge_types={self.num_edge_types}, k={self.k}, "
+                f"content_blocks={self.content_blocks}, block_size={self.block_size}, "
+                f"random_proposals={self.random_proposals})")

@@ -44,6 +44,8 @@ class FlatSite:
     glue_type: Tensor  # (num_edges,) index into CANDIDATE_EDGES
     glue_ptr: Tensor  # (N + 1,) CSR pointer of the candidate edges
     token_reset: Tensor  # (num_tokens,) True where a new token chain (graph) starts
+    token_pos: Tensor  # (num_tokens,) position of each token in its graph
+    token_graph_start: Tensor  # (num_tokens,) node id of the first token of each token's graph
     chain_reset: Tensor  # (num_chained,) True where a new patch chain starts
 
     @property
@@ -119,5 +121,7 @@ def flatten_site(data: HeteroData) -> FlatSite:
     token_reset = _starts(_graph_id(data["token"], device))
     chain_graph = torch.cat([_graph_id(data[t], device) for t in CHAINED_TYPES])
     chain_reset = _starts(node_type[type_ptr[1] : type_ptr[1 + len(CHAINED_TYPES)]], chain_graph)
+    token_pos = data["token"].pos
+    token_graph_start = torch.arange(token_pos.numel(), device=device) - token_pos
     return FlatSite(type_ptr, node_type, time, cover_index[0], cover_ptr, glue_index, glue_type, glue_ptr,
-                    token_reset, chain_reset)
+                    token_reset, token_pos, token_graph_start, chain_reset)

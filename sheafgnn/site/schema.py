@@ -73,6 +73,12 @@ READ_EDGES: tuple[EdgeType, ...] = tuple((p, "reads", "output") for p in READ_TY
 EDGE_TYPES: tuple[EdgeType, ...] = COVER_EDGES + CHAIN_EDGES + ANCHOR_EDGES + LINK_EDGES + READ_EDGES
 # Edges that the learned topology scores and prunes (the gluing candidates).
 CANDIDATE_EDGES: tuple[EdgeType, ...] = CHAIN_EDGES + ANCHOR_EDGES + LINK_EDGES + READ_EDGES[1:]
+# Proposals the model makes itself (sheafgnn.nn.topology), not site edges: the tokens of the best
+# complete blocks before an output (content-addressed), and seeded random past tokens.
+CONTENT_EDGE: EdgeType = ("token", "matches", "output")
+RANDOM_EDGE: EdgeType = ("token", "explores", "output")
+# Every gluing edge type, in the order of the model's edge-type ids.
+GLUE_EDGES: tuple[EdgeType, ...] = CANDIDATE_EDGES + (CONTENT_EDGE, RANDOM_EDGE)
 
 DEFAULT_CUES = ("###", "Instruction:", "Q:", "User:", "Question:", "Task:")
 

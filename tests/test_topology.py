@@ -1,0 +1,170 @@
+"""The learned topology: pools larger than what is kept, one competition per destination,
+softmax weights with a "nothing" candidate, causal content and random proposals."""
+import pytest
+import torch
+
+import sheafgnn.nn.topology as topology_module
+from sheafgnn.model import SheafStateLM, topology_input
+from sheafgnn.nn.topology import LearnedTopology, content_blocks, random_proposals
+from sheafgnn.site import build_site
+from sheafgnn.site.flat import FLAT_TYPES, flatten_site
+from sheafgnn.site.schema import CONTENT_EDGE, GLUE_EDGES, RANDOM_EDGE
+
+from .conftest import CODE, PROSE, assert_logits_causal, small_model_config
+
+
+def test_random_proposals_seeded_and_causal():
+    position = torch.arange(200)
+    start = torch.zeros(200, dtype=torch.long)
+    a = random_proposals(position, start, 6, seed=3)
+    assert a.shape == (200, 6)
+    assert torch.equal(a, random_proposals(position, start, 6, seed=3))  # a pure function of (seed, position)
+    assert not torch.equal(a, random_proposals(position, start, 6, seed=4))
+    assert ((a >= 0) & (a <= position[:, None])).all()  # past tokens (and the token itself) only
+    # the same position draws the same tokens whatever the length of the text or where its graph starts
+    assert torch.equal(random_proposals(position[:50], start[:50], 6, seed=3), a[:50])
+    assert torch.equal(random_proposals(position[:50], start[:50] + 1000, 6, seed=3), a[:50] + 1000)
+    assert len(set(a[150:].flatten().tolist())) > 100  # spread over the past, not a fixed few tokens
+
+
+def test_content_blocks_pick_the_matching_complete_block():
+    B, n, r = 4, 24, 3
+    keys = torch.zeros(n, r)
+    keys[9] = torch.tensor([0.0, 8.0, 0.0])  # block 2 (tokens 8..11) holds the matching key
+    keys[17] = torch.tensor([0.0, 0.0, 8.0])  # block 4 (tokens 16..19): another key
+    query = torch.zeros(n, r)
+    query[:, 1] = 1.0
+    position = torch.arange(n)
+    blocks = content_blocks(query, keys, position, torch.zeros(n, dtype=torch.long), B, num_blocks=2)
+    assert blocks.shape == (n, 2)
+    assert (blocks[:4] == -1).all()  # no complete block before position 4
+    assert blocks[5].tolist() == [0, -1]  # one block qualifies (tokens 0..3 end before 5)
+    assert (blocks[12:, 0] == 8).all()  # the matching block wins once it is complete (time 11 < 12)
+    assert (blocks[:12, 0] != 8).all()  # ... and never before
+    # every chosen block ends strictly before its destination
+    chosen = blocks >= 0
+    assert ((blocks + B - 1)[chosen] < position[:, None].expand_as(blocks)[chosen]).all()
+
+
+def test_content_blocks_stay_in_their_graph():
+    B = 4
+    position = torch.cat([torch.arange(10), torch.arange(12)])  # two graphs in one batch
+    graph_start = torch.cat([torch.zeros(10, dtype=torch.long), torch.full((12,), 10)])
+    keys, query = torch.randn(22, 5), torch.randn(22, 5)
+    blocks = content_blocks(query, keys, position, graph_start, B, num_blocks=3)
+    chosen = blocks >= 0
+    assert (blocks[:10][chosen[:10]] < 10).all() and (blocks[10:][chosen[10:]] >= 10).all()
+    assert chosen[10:].sum(1).tolist() == [0] * 4 + [1] * 4 + [2] * 4  # blocks complete before each position
+
+
+def _selection(model, data, block=0):
+    model.eval()
+    with torch.no_grad():
+        _, infos, site = model._forward(data, return_candidates=True)
+    return infos[block]["selection"], site
+
+
+def test_weights_sum_to_one_minus_sink(full_config):
+    torch.manual_seed(0)
+    model = SheafStateLM(small_model_config(full_config, topology_k=5))
+    with torch.no_grad():
+        for block in model.blocks:
+            block.topology.sink.normal_()
+    sel, site = _selection(model, build_site(PROSE, model.config.site_config))
+    dst = sel.edge_index[1]
+    total = torch.zeros(site.num_nodes).index_add_(0, dst, sel.weight)
+    exp_sum = torch.zeros(site.num_nodes).index_add_(0, dst, sel.score.exp())
+    sink = model.blocks[0].topology.sink[site.node_type].exp()
+    has = torch.bincount(dst, minlength=site.num_nodes) > 0
+    assert torch.allclose(total[has], (exp_sum / (exp_sum + sink))[has], atol=1e-5)
+    assert (total[has] < 1).all()
+    # a destination keeps at most k, and every output keeps exactly k (its pool is larger)
+    counts = torch.bincount(dst, minlength=site.num_nodes)
+    assert counts.max() == 5 and (counts[site.outputs][8:] == 5).all()
+
+
+def test_sink_can_take_no_message(full_config):
+    torch.manual_seed(0)
+    model = SheafStateLM(small_model_config(full_config))
+    with torch.no_grad():
+        model.blocks[0].topology.sink.fill_(30.0)
+    sel, _ = _selection(model, build_site(PROSE, model.config.site_config))
+    assert sel.weight.max() < 1e-9
+
+
+def test_pools_are_larger_than_what_is_kept(full_config):
+    torch.manual_seed(0)
+    model = SheafStateLM(small_model_config(full_config))
+    data = build_site((PROSE + CODE) * 4, model.config.site_config)
+    top = model.topology(data)
+    candidates = sum(entry["num_candidates"] for entry in top.values())
+    kept = sum(entry["edge_index"].size(1) for entry in top.values())
+    assert candidates >= 4 * kept, (candidates, kept)
+    assert top[CONTENT_EDGE]["num_candidates"] > 0 and top[RANDOM_EDGE]["num_candidates"] > 0
+    # the reported counts are the pools themselves
+    sel, _ = _selection(model, data, block=-1)
+    pool_types = sel.candidates[1]
+    assert torch.equal(torch.bincount(pool_types, minlength=len(GLUE_EDGES)), sel.num_candidates)
+
+
+def test_scores_are_on_the_gradient_path(full_config):
+    torch.manual_seed(0)
+    model = SheafStateLM(small_model_config(full_config))
+    data = build_site(PROSE, model.config.site_config)
+    data["token"].y = torch.roll(data["token"].x, -1)
+    model.loss(data).backward()
+    topo = model.blocks[0].topology
+    for p in (topo.query.weight, topo.key.weight, topo.type_bias, topo.sink):
+        assert p.grad is not None and p.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("text", [PROSE, CODE])
+def test_causal_with_content_proposals(text, full_config):
+    """Every patch type on, content proposals from small blocks so short texts have many."""
+    torch.manual_seed(0)
+    model = SheafStateLM(small_model_config(full_config, proposal_block=4, content_blocks=3, num_experts=2))
+    sel, _ = _selection(model, build_site(text, model.config.site_config))
+    assert (sel.edge_type == GLUE_EDGES.index(CONTENT_EDGE)).sum() > 0  # content edges are kept
+    assert_logits_causal(model, text, trials=4)
+
+
+def test_planted_future_proposal_is_caught(full_config, monkeypatch):
+    """The perturbation check fails when a proposal reads the future."""
+    torch.manual_seed(0)
+    model = SheafStateLM(small_model_config(full_config, validate_sites=False))
+    with torch.no_grad():
+        for block in model.blocks:
+            block.topology.type_bias[block.topology.random_type] = 10.0  # make sure the planted edge is kept
+
+    def future(position, graph_start, count, seed=0):
+        last = torch.full((position.numel(), count), position.numel() - 1)
+        return graph_start.view(-1, 1) + last  # the last token of the text: the future of every earlier position
+
+    monkeypatch.setattr(topology_module, "random_proposals", future)
+    with pytest.raises(AssertionError, match="depend on the future"):
+        assert_logits_causal(model, PROSE, trials=2)
+
+
+def test_random_score_ablation_changes_the_choice(full_config):
+    torch.manual_seed(0)
+    model = SheafStateLM(small_model_config(full_config))
+    data = build_site(PROSE, model.config.site_config)
+    learned, _ = _selection(model, data)
+    for block in model.blocks:
+        block.topology.random_scores = True
+    ablated, _ = _selection(model, data)
+    assert learned.edge_index.shape != ablated.edge_index.shape or not torch.equal(learned.edge_index,
+                                                                                   ablated.edge_index)
+
+
+def test_topology_input_and_repr(full_config):
+    model = SheafStateLM(small_model_config(full_config))
+    site = flatten_site(build_site(PROSE, model.config.site_config))
+    inp = topology_input(site)
+    assert inp.outputs == site.outputs and inp.token_pos.numel() == site.tokens.stop
+    topo = model.blocks[0].topology
+    assert isinstance(topo, LearnedTopology) and topo.sink.numel() == len(FLAT_TYPES)
+    assert str(topo) == (f"LearnedTopology(32, num_edge_types={len(GLUE_EDGES)}, k=8, content_blocks=2, "
+                         "block_size=16, random_proposals=4)")
+    with pytest.raises(ValueError, match="k, rank and block_size"):
+        LearnedTopology(32, 3, 2, k=0)
