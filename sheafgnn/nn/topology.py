@@ -9,8 +9,9 @@ would pass no gradient)::
 
     candidates of destination v          score s_e = <W_q x_v, W_k x_u> / sqrt(r) + b_type(e)
       rule proposals    the site's causal edges into v (chains, anchors, links, reads)
-      content proposals the tokens of the `content_blocks` best complete blocks before v
-                        (outputs only; block summary = mean of the block's keys, NSA / MoBA style)
+      content proposals the tokens of the `content_blocks` best complete blocks before v, and
+                        those of v's own block up to v (outputs only; block summary = mean of
+                        the block's keys, NSA / MoBA style; the own block is NSA's window)
       random proposals  `random_proposals` past tokens, a seeded hash of v's position (outputs only)
     keep                the k best of the pool (all types together)
     weight              alpha_e = softmax([s_kept..., s_sink(type of v)])_e
@@ -33,7 +34,7 @@ dot products of rank ``r``, that is O(n^2 r / B) time, computed in chunks of
 rows so that memory stays O(n + chunk * n / B); at B = 16, r = 16 this is
 the same number of multiply-adds as an (n x n) attention score matrix of
 width 1, and it is measured in ``benchmarks/bench_model.py``. The chosen
-blocks then give ``content_blocks * B`` token candidates per output, O(n).
+blocks and the own block give ``(content_blocks + 1) * B`` token candidates per output, O(n).
 """
 
 from __future__ import annotations
@@ -289,10 +290,16 @@ class LearnedTopology(nn.Module):
         sources, types = [], []
         tok0 = inp.tokens.start
         if self.content_blocks:
+            # The tokens of the destination's own (incomplete) block, up to itself: NSA's sliding window,
+            # so that a match too recent for a complete block still has a candidate.
+            recent = (inp.token_pos - inp.token_pos % self.block_size).unsqueeze(1) + torch.arange(
+                self.block_size, device=src.device)  # (num_out, B) positions
+            recent = torch.where(recent <= inp.token_pos.unsqueeze(1), recent + inp.token_graph_start.unsqueeze(1), -1)
             blocks = content_blocks(q_out, k[inp.tokens], inp.token_pos, inp.token_graph_start - tok0,
                                     self.block_size, self.content_blocks, self.random_scores)  # (num_out, m)
             tokens = blocks.unsqueeze(-1) + torch.arange(self.block_size, device=blocks.device)  # (num_out, m, B)
             tokens = torch.where(blocks.unsqueeze(-1) >= 0, tokens + tok0, -1).flatten(1)  # (num_out, m * B)
+            tokens = torch.cat([tokens, recent], 1)  # (num_out, (m + 1) * B)
             sources.append(tokens)
             types.append(torch.full_like(tokens, self.content_type))
         if self.random_proposals:
@@ -342,7 +349,8 @@ class LearnedTopology(nn.Module):
         """Content and random candidates in the pools, counted from positions (no scores needed)."""
         counts = torch.zeros(self.num_edge_types, dtype=torch.long, device=inp.token_pos.device)
         full_blocks = (inp.token_pos // self.block_size).clamp(max=self.content_blocks)
-        counts[self.content_type] = int(full_blocks.sum()) * self.block_size
+        recent = inp.token_pos % self.block_size + 1
+        counts[self.content_type] = int(full_blocks.sum()) * self.block_size + int(recent.sum())
         counts[self.random_type] = inp.token_pos.numel() * self.random_proposals
         return counts
 
