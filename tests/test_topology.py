@@ -114,7 +114,7 @@ def test_scores_are_on_the_gradient_path(full_config):
     data["token"].y = torch.roll(data["token"].x, -1)
     model.loss(data).backward()
     topo = model.blocks[0].topology
-    for p in (topo.query.weight, topo.key.weight, topo.type_bias, topo.sink):
+    for p in (topo.query.weight, topo.key.weight, topo.key_previous.weight, topo.type_bias, topo.sink):
         assert p.grad is not None and p.grad.abs().sum() > 0
 
 

@@ -7,7 +7,8 @@ kept candidate is the logit of the softmax that weighs its message, so the
 score is on the gradient path (a softmax over one candidate, or a hard mask,
 would pass no gradient)::
 
-    candidates of destination v          score s_e = <W_q x_v, W_k x_u> / sqrt(r) + b_type(e)
+    candidates of destination v          score s_e = <W_q x_v, k_u> / sqrt(r) + b_type(e)
+                                         k_u = W_k x_u (+ W_k' x_{u-1} for a token u)
       rule proposals    the site's causal edges into v (chains, anchors, links, reads)
       content proposals the tokens of the `content_blocks` best complete blocks before v, and
                         those of v's own block up to v (outputs only; block summary = mean of
@@ -198,12 +199,14 @@ class LearnedTopology(nn.Module):
     For a candidate :math:`e = (u \to v)` of type :math:`\tau`,
 
     .. math::
-        s_e = \frac{\langle \mathbf{W}_q \mathbf{x}_v, \mathbf{W}_k \mathbf{x}_u
+        s_e = \frac{\langle \mathbf{W}_q \mathbf{x}_v, \mathbf{k}_u
         \rangle}{\sqrt{r}} + b_\tau, \qquad
         \alpha_e = \frac{\exp s_e}{\exp s_{\varnothing, \kappa(v)} +
         \sum_{e' \in K(v)} \exp s_{e'}} \quad (e \in K(v)),
 
-    where :math:`K(v)` holds the :math:`k` best candidates of :math:`v`'s pool
+    with :math:`\mathbf{k}_u = \mathbf{W}_k \mathbf{x}_u` for a patch and
+    :math:`\mathbf{k}_u = \mathbf{W}_k \mathbf{x}_u + \mathbf{W}'_k \mathbf{x}_{u-1}` for a token (the
+    token before it; zero at a graph's start), where :math:`K(v)` holds the :math:`k` best candidates of :math:`v`'s pool
     (rule, content and random proposals together, see the module docstring)
     and :math:`s_{\varnothing, \kappa}` is a learned "nothing" logit per
     destination node type :math:`\kappa`.
@@ -240,6 +243,7 @@ class LearnedTopology(nn.Module):
         self.content_type, self.random_type = num_edge_types - 2, num_edge_types - 1
         self.query = nn.Linear(channels, rank, bias=False)
         self.key = nn.Linear(channels, rank, bias=False)
+        self.key_previous = nn.Linear(channels, rank, bias=False)  # a token's key also sees the token before it
         self.type_bias = nn.Parameter(torch.empty(num_edge_types))
         self.sink = nn.Parameter(torch.empty(num_node_types))
         self.random_scores = False  # the random-score ablation (evaluation only)
@@ -248,6 +252,7 @@ class LearnedTopology(nn.Module):
     def reset_parameters(self) -> None:
         self.query.reset_parameters()
         self.key.reset_parameters()
+        self.key_previous.reset_parameters()
         nn.init.zeros_(self.type_bias)
         nn.init.zeros_(self.sink)
 
@@ -331,8 +336,17 @@ class LearnedTopology(nn.Module):
             pool = (torch.stack([sources[valid], all_dst[valid]]), types[valid], score[valid])
         return kept_edges, pool
 
+    def _keys(self, x: Tensor, inp: TopologyInput) -> Tensor:
+        """(N, r) keys; a token's key adds the projection of the token before it (zero at a graph's start),
+        the previous-token feature that recall needs: the value after key K is found by matching K."""
+        k = self.key(x)  # (N, r)
+        tokens = x[inp.tokens]  # (num_tokens, D)
+        previous = torch.cat([tokens.new_zeros(1, tokens.size(1)), tokens[:-1]])  # (num_tokens, D)
+        previous = previous.masked_fill((inp.token_pos == 0).unsqueeze(1), 0.0)
+        return torch.cat([k[: inp.tokens.start], k[inp.tokens] + self.key_previous(previous), k[inp.tokens.stop :]])
+
     def forward(self, x: Tensor, inp: TopologyInput, return_candidates: bool = False) -> Selection:
-        q, k = self.query(x), self.key(x)  # (N, r) each
+        q, k = self.query(x), self._keys(x, inp)  # (N, r) each
         patch, patch_pool = self._patch_selection(q, k, inp, return_candidates)
         output, output_pool = self._output_selection(q, k, inp, return_candidates)
         src, dst, edge_type, weight, score = (torch.cat([a, b]) for a, b in zip(patch, output))
