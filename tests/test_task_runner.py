@@ -28,7 +28,7 @@ RECALLS = ("token", "recalls", "retrieval")
 
 
 def test_task_tokenizer_sites_for_any_vocabulary():
-    site = SiteConfig.from_dict(TASK_SITE)
+    site = SiteConfig.from_dict(TasksConfig(hash_retrieval=True).sheaf_site)
     x, y = mqar(2, 64, 4, 1000, torch.Generator().manual_seed(0))  # ids up to 999: not bytes
     batch = to_sites(x, y, site, TaskTokenizer(1000))
     assert batch.num_graphs == 2 and torch.equal(batch["token"].x, x.flatten())
@@ -37,13 +37,15 @@ def test_task_tokenizer_sites_for_any_vocabulary():
         assert batch[node_type].num_nodes == 0, node_type
     assert batch["local"].num_nodes == 2 * (64 // site.local_window) and batch["retrieval"].num_nodes > 0
     validate_site(batch)
+    no_hash = to_sites(x, y, SiteConfig.from_dict(TASK_SITE), TaskTokenizer(1000))  # the default: rule off
+    assert no_hash["retrieval"].num_nodes == 0 and no_hash["local"].num_nodes == batch["local"].num_nodes
     with pytest.raises(ValueError, match=r"lie in \[0, 1000\)"):
         build_site(torch.tensor([1000]), site, tokenizer=TaskTokenizer(1000))
 
 
 def test_retrieval_links_the_answer_to_the_query():
     """The hand-checked MQAR row of the generator's docstring, and an induction row."""
-    site = SiteConfig.from_dict(TASK_SITE)
+    site = SiteConfig.from_dict(TasksConfig(hash_retrieval=True).sheaf_site)
     x = torch.tensor([2, 8, 4, 7, 0, 0, 4, 0, 0, 0, 0, 0, 2, 0, 0, 0])  # key 4 queried at 6, key 2 at 12
     data = build_site(x, site, tokenizer=TaskTokenizer(12))
     src, dst = data[RECALLS].edge_index
@@ -120,3 +122,26 @@ def test_run_tasks_quick(tmp_path):
     assert json.loads((tmp_path / "tasks.json").read_text())["config"]["steps"] == 1
     assert "| sheaf |" in (tmp_path / "tasks.md").read_text()
     assert IGNORE_INDEX == -100
+
+
+def test_curve_and_summary_rows(tmp_path):
+    """eval_every records the accuracy curve; summary rows name task, length, model and the hash rule,
+    and --summary merges them into one file (a rerun replaces its rows, other rows stay)."""
+    summary = tmp_path / "summary.json"
+    config = TasksConfig.quick(out_dir=str(tmp_path / "a"), steps=4, eval_every=2, num_threads=1,
+                               tasks=("mqar", "induction_heads"), models=("sheaf", "dense"), summary=str(summary))
+    report = run_tasks(config)
+    curve = report["tasks"]["mqar"]["models"]["sheaf"]["curve"]
+    assert [p["step"] for p in curve] == [2, 4] and all(0 <= p["accuracy"] <= 1 for p in curve)
+    rows = json.loads(summary.read_text())
+    assert rows == json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert len(rows) == 2 * 1 + 2 * 2  # mqar at its length, induction at two lengths, for two models
+    mqar_sheaf = next(r for r in rows if r["task"] == "mqar" and r["model"] == "sheaf")
+    assert mqar_sheaf == {"task": "mqar", "seq_len": 64, "train_len": 64, "pairs": 4, "vocab": 64, "model": "sheaf",
+                          "hash_retrieval": False, "accuracy": curve[-1]["accuracy"], "steps": 4,
+                          "tokens": 4 * 2 * 64, "seconds": mqar_sheaf["seconds"]}
+    assert (tmp_path / "a" / "curves.png").stat().st_size > 0
+    run_tasks(TasksConfig.quick(out_dir=str(tmp_path / "b"), steps=1, num_threads=1, tasks=("mqar",),
+                                models=("sheaf",), hash_retrieval=True, summary=str(summary)))
+    rows = json.loads(summary.read_text())
+    assert len(rows) == 7 and {r["hash_retrieval"] for r in rows if r["model"] == "sheaf"} == {True, False}

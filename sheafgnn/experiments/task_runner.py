@@ -13,7 +13,9 @@ r"""``sheafgnn tasks``: the structured dependency tasks for sheaf, dense, local 
                          batches from a generator seeded by `seed`: every model sees the same batches
           evaluate       accuracy on the scored positions of held-out rows (another seed),
                          induction heads at every length of induction_test_lens
-      -> out_dir/tasks.json  tasks.md  induction.png
+          (every eval_every steps also at the training length: the accuracy curve)
+      -> out_dir/tasks.json  tasks.md  summary.json  curves.png  induction.png
+         summary rows merged into --summary FILE (one row per task, length, model, hash rule)
 
 Sizes (defaults; all are flags). MQAR at the issue's CPU size: sequence 256,
 16 pairs, vocabulary 512 (``--zoology``: 512, 64, 8192, as in Arora et al.
@@ -37,14 +39,16 @@ task ids are not text, so:
 - :class:`TaskTokenizer` maps every id to one neutral byte (``x``, which no
   byte rule reacts to), so the builder's byte stage is defined for any
   vocabulary and finds nothing;
-- retrieval hashes the *ids* (not bytes): a position whose last
-  ``retrieval_key_len`` ids occurred before links the token after the
-  earlier match to it, exactly the induction / associative-recall pattern.
-  ``retrieval_key_len`` is 1, because in all three tasks a key is one token
-  (an MQAR key, the induction trigger); with the text default of 3 the
-  retrieval never fires on them, as the ids before a query are noise. This
-  is a setting of the sheaf model's site, the same for all three tasks and
-  stated in the report; the tasks themselves are the unmodified generators.
+- the hash retrieval rule is **off** by default (``hash_retrieval``): the
+  sheaf model must find the key itself, through the content-addressed
+  proposals of its learned topology (:mod:`sheafgnn.nn.topology`). With
+  ``hash_retrieval=True`` the site adds ``retrieval`` patches: a position
+  whose last ``retrieval_key_len`` *ids* occurred before links the token
+  after the earlier match to it, exactly the induction / associative-recall
+  pattern handed over as a rule. ``retrieval_key_len`` is 1, because in all
+  three tasks a key is one token (an MQAR key, the induction trigger). This
+  is a setting of the sheaf model's site, stated in the report and in every
+  summary row; the tasks themselves are the unmodified generators.
 
 The baselines read token ids only; their sites are built with no patch types
 (tokens and outputs).
@@ -66,7 +70,14 @@ from tqdm import tqdm
 
 from sheafgnn.config import ConfigFile
 from sheafgnn.experiments.compare import BASELINE_SITE
-from sheafgnn.experiments.report import config_from_args, pyplot, report_parser, run_report_command, write_report
+from sheafgnn.experiments.report import (
+    config_from_args,
+    pyplot,
+    report_parser,
+    run_report_command,
+    write_json,
+    write_report,
+)
 from sheafgnn.experiments.tasks import IGNORE_INDEX, induction_heads, mqar, selective_copying
 from sheafgnn.lm import MODEL_KINDS, build_model, count_model_parameters, matched_options, print_parameter_counts
 from sheafgnn.memory import keep_freed_memory
@@ -74,7 +85,7 @@ from sheafgnn.site import SiteConfig, build_site
 from sheafgnn.train import cosine_lr, param_groups, resolve_device, train_step
 
 TASKS = ("mqar", "selective_copying", "induction_heads")
-TASK_SITE = {"patch_types": ["local", "retrieval", "workspace", "output"], "retrieval_key_len": 1}
+TASK_SITE = {"patch_types": ["local", "workspace", "output"], "retrieval_key_len": 1}
 NEUTRAL_BYTE = ord("x")  # what every task id stands for in the builder's byte rules
 ZOOLOGY = {"mqar_seq_len": 512, "mqar_pairs": 64, "mqar_vocab": 8192}
 
@@ -117,6 +128,7 @@ class TasksConfig(ConfigFile):
     equal_width: bool = False  # True: every model at d_model; False: baselines matched to the sheaf parameters
     sheaf: dict = field(default_factory=dict)  # further SheafStateConfig fields (sheaf and ssm)
     site: dict = field(default_factory=lambda: dict(TASK_SITE))  # the sheaf model's SiteConfig (module docstring)
+    hash_retrieval: bool = False  # sheaf: switch the site's hash retrieval rule on (retrieval patch type)
     steps: int = 40  # optimizer steps per task and model
     batch_size: int = 16  # rows per step
     lr: float = 3e-3  # peak learning rate
@@ -125,6 +137,8 @@ class TasksConfig(ConfigFile):
     grad_clip: float = 1.0  # global gradient-norm clip; 0: none
     seed: int = 0  # init and training batches; test rows use other seeds
     test_examples: int = 64  # held-out rows per task at the training length
+    eval_every: int = 0  # also test at the training length every this many steps (0: at the end only)
+    summary: str = ""  # also merge this run's rows into this JSON file (e.g. benchmarks/results/tasks/summary.json)
     mqar_seq_len: int = 256  # MQAR row length
     mqar_pairs: int = 16  # MQAR key-value pairs
     mqar_vocab: int = 512  # MQAR vocabulary
@@ -149,14 +163,20 @@ class TasksConfig(ConfigFile):
             raise ValueError(f"TasksConfig: tasks must be a non-empty subset of {TASKS} (got {self.tasks})")
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.type == "int" and f.name not in ("seed", "warmup_steps", "num_threads") and value < 1:
+            if f.type == "int" and f.name not in ("seed", "warmup_steps", "num_threads", "eval_every") and value < 1:
                 raise ValueError(f"TasksConfig: {f.name} must be a positive integer (got {value!r})")
         if not (self.lr > 0 and self.weight_decay >= 0 and self.grad_clip >= 0):
             raise ValueError(f"TasksConfig: need lr > 0, weight_decay >= 0, grad_clip >= 0 "
                              f"(got {self.lr}, {self.weight_decay}, {self.grad_clip})")
         if not self.induction_test_lens or min(self.induction_test_lens) < 3:
             raise ValueError(f"TasksConfig: induction_test_lens must be lengths >= 3 (got {self.induction_test_lens})")
-        SiteConfig.from_dict(self.site)  # validate early
+        SiteConfig.from_dict(self.sheaf_site)  # validate early
+
+    @property
+    def sheaf_site(self) -> dict:
+        """The sheaf model's site: ``site`` with the hash retrieval rule switched by ``hash_retrieval``."""
+        types = [t for t in self.site.get("patch_types", TASK_SITE["patch_types"]) if t != "retrieval"]
+        return {**self.site, "patch_types": types + ["retrieval"] * self.hash_retrieval}
 
     @classmethod
     def quick(cls, **overrides) -> TasksConfig:
@@ -227,13 +247,15 @@ def train_task(model: nn.Module, spec: TaskSpec, config: TasksConfig, site_confi
 
     Returns:
         dict with ``train_loss`` (mean of the last quarter of steps), ``train_s``
-        and ``train_tokens_per_s`` (site building included).
+        and ``train_tokens_per_s`` (site building included), and ``curve``: the
+        accuracy at the training length every ``eval_every`` steps (time spent
+        testing is not counted in ``train_s``).
     """
     device, tokenizer = resolve_device(config.device), TaskTokenizer(spec.vocab_size)
     generator = torch.Generator().manual_seed(config.seed)
     optimizer = torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.95))
     warmup = min(config.warmup_steps, config.steps)
-    losses = []
+    losses, curve, testing = [], [], 0.0
     model.train()
     start = time.perf_counter()
     bar = tqdm(range(config.steps), desc=desc, disable=not config.progress, leave=False, dynamic_ncols=True)
@@ -244,9 +266,17 @@ def train_task(model: nn.Module, spec: TaskSpec, config: TasksConfig, site_confi
                             grad_clip=config.grad_clip)
         losses.append(result.loss)
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
-    elapsed = time.perf_counter() - start
+        if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
+            tic = time.perf_counter()
+            accuracy = evaluate(model, spec, spec.train_len, config.test_examples, config, site_config)["accuracy"]
+            curve.append({"step": step + 1, "accuracy": accuracy, "loss": sum(losses[-config.eval_every:])
+                          / config.eval_every})
+            testing += time.perf_counter() - tic
+            if not config.progress:
+                print(f"  {desc} step {step + 1}: loss {curve[-1]['loss']:.3f}, accuracy {accuracy:.3f}", flush=True)
+    elapsed = time.perf_counter() - start - testing
     tail = losses[-max(1, len(losses) // 4):]
-    return {"train_loss": sum(tail) / len(tail), "train_s": elapsed,
+    return {"train_loss": sum(tail) / len(tail), "train_s": elapsed, "curve": curve,
             "train_tokens_per_s": config.steps * config.batch_size * spec.train_len / max(elapsed, 1e-9)}
 
 
@@ -285,14 +315,14 @@ def task_options(config: TasksConfig, vocab_size: int) -> tuple[dict[str, dict],
     sheaf_options = {"d_model": config.d_model, "n_layers": config.n_layers, **config.sheaf}
     if not config.equal_width:
         return matched_options(config.models, sheaf_options, vocab_size, n_heads=config.n_heads,
-                               window=config.window, site=config.site)
+                               window=config.window, site=config.sheaf_site)
     attention = {"d_model": config.d_model, "n_layers": config.n_layers, "n_heads": config.n_heads}
     options = {"sheaf": dict(sheaf_options), "ssm": dict(sheaf_options), "dense": dict(attention),
                "local": {**attention, "window": config.window}}
     options = {k: options[k] for k in config.models}
-    counts = {k: count_model_parameters(k, options[k], vocab_size, config.site if k == "sheaf" else None)
+    counts = {k: count_model_parameters(k, options[k], vocab_size, config.sheaf_site if k == "sheaf" else None)
               for k in config.models}
-    counts["target"] = count_model_parameters("sheaf", sheaf_options, vocab_size, config.site)
+    counts["target"] = count_model_parameters("sheaf", sheaf_options, vocab_size, config.sheaf_site)
     return options, counts
 
 
@@ -305,7 +335,7 @@ def run_task(spec: TaskSpec, config: TasksConfig) -> dict:
     device = resolve_device(config.device)
     out = {}
     for kind in config.models:
-        site = dict(config.site) if kind == "sheaf" else dict(BASELINE_SITE)
+        site = config.sheaf_site if kind == "sheaf" else dict(BASELINE_SITE)
         site_config = SiteConfig.from_dict(site)
         torch.manual_seed(config.seed)
         model = build_model(kind, options[kind], spec.vocab_size, site).to(device)
@@ -317,6 +347,8 @@ def run_task(spec: TaskSpec, config: TasksConfig) -> dict:
             r = evaluate(model, spec, length, examples, config, site_config)
             accuracy[str(length)], scored[str(length)] = r["accuracy"], r["scored"]
         result.update(accuracy=accuracy, scored=scored)
+        result["curve"].append({"step": config.steps, "accuracy": accuracy[str(spec.train_len)],
+                                "loss": result["train_loss"]})
         print(f"{kind:<6} loss {result['train_loss']:.3f}  accuracy "
               + "  ".join(f"@{n}: {a:.3f}" for n, a in accuracy.items())
               + f"  ({result['train_s']:.0f} s, {result['train_tokens_per_s']:.0f} train tok/s)")
@@ -343,7 +375,12 @@ def run_tasks(config: TasksConfig) -> dict:
     tasks = {name: run_task(spec, config) for name, spec in task_specs(config).items()}
     report = {"config": config.to_dict(), "tasks": tasks, "elapsed_s": time.perf_counter() - start,
               "threads": torch.get_num_threads()}
+    report["summary"] = summary_rows(report)
     report["files"] = write_report(report, out, "tasks", markdown(report), _figures(report))
+    write_json(out / "summary.json", report["summary"])
+    report["files"].append("summary.json")
+    if config.summary:
+        merge_summary(Path(config.summary), report["summary"])
     print("\n" + markdown(report))
     return report
 
@@ -351,6 +388,42 @@ def run_tasks(config: TasksConfig) -> dict:
 # ---------------------------------------------------------------------------
 # Report
 # ---------------------------------------------------------------------------
+
+SUMMARY_KEY = ("task", "seq_len", "train_len", "pairs", "vocab", "model", "hash_retrieval")  # one row per key
+
+
+def _summary_key(row: dict) -> tuple:
+    return tuple(row[k] for k in SUMMARY_KEY)
+
+
+def _summary_order(row: dict) -> tuple:
+    return tuple(str(v) for v in _summary_key(row))
+
+
+def summary_rows(report: dict) -> list[dict]:
+    """One row per task, test length and model: ``task, seq_len, train_len, pairs, vocab, model,
+    hash_retrieval, accuracy, steps, tokens, seconds`` (``pairs``: MQAR only; ``hash_retrieval``: whether
+    the sheaf model's site had its hash retrieval rule, False for the models that read ids only)."""
+    cfg, rows = report["config"], []
+    for task, r in report["tasks"].items():
+        for kind, m in r["models"].items():
+            for length, accuracy in m["accuracy"].items():
+                rows.append({"task": task, "seq_len": int(length), "train_len": r["train_len"],
+                             "pairs": cfg["mqar_pairs"] if task == "mqar" else None, "vocab": r["vocab_size"],
+                             "model": kind, "hash_retrieval": bool(cfg["hash_retrieval"]) and kind == "sheaf",
+                             "accuracy": accuracy, "steps": cfg["steps"],
+                             "tokens": cfg["steps"] * cfg["batch_size"] * r["train_len"], "seconds": m["train_s"]})
+    return sorted(rows, key=_summary_order)
+
+
+def merge_summary(path: Path, rows: list[dict]) -> list[dict]:
+    """Merge ``rows`` into the JSON list at ``path`` (a row replaces the one with the same key); returns it."""
+    merged = {_summary_key(row): row for row in (json.loads(path.read_text()) if path.exists() else [])}
+    merged.update({_summary_key(row): row for row in rows})
+    ordered = sorted(merged.values(), key=_summary_order)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, ordered)
+    return ordered
 
 THRESHOLD = 0.99  # "solved"
 
@@ -414,7 +487,8 @@ def markdown(report: dict) -> str:
               + ("every model at the same d_model." if cfg["equal_width"] else
                  "dense, local and ssm widths matched to the sheaf model's parameter count (within 10%).")
               + f" Local window {cfg['window']}, {cfg['n_heads']} heads.",
-              f"- Sheaf sites: `{json.dumps(cfg['site'])}` with one neutral byte per id (see "
+              f"- Sheaf sites: `{json.dumps(cfg['site'])}`, hash retrieval "
+              f"{'on' if cfg['hash_retrieval'] else 'off'}, with one neutral byte per id (see "
               "`sheafgnn.experiments.task_runner`); the baselines read token ids only.",
               f"- Training: AdamW, lr {cfg['lr']:g}, warm-up {cfg['warmup_steps']} + cosine, "
               f"clip {cfg['grad_clip']:g}, fresh rows each step from one seed (the same rows for every model)."]
@@ -422,11 +496,21 @@ def markdown(report: dict) -> str:
 
 
 def _figures(report: dict) -> dict:
-    """The report's figures by file name: induction.png (accuracy against test length), when run."""
-    if "induction_heads" not in report["tasks"]:
-        return {}
+    """The report's figures by file name: curves.png (accuracy against training steps, per task and
+    model) and induction.png (accuracy against test length), when run."""
     plt = pyplot()
-    task = report["tasks"]["induction_heads"]
+    tasks = report["tasks"]
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 3.6), squeeze=False)
+    for ax, (task, r) in zip(axes[0], tasks.items()):
+        for kind, m in r["models"].items():
+            ax.plot([p["step"] for p in m["curve"]], [p["accuracy"] for p in m["curve"]], "o-", ms=3, label=kind)
+        ax.axhline(THRESHOLD, color="grey", ls=":", lw=1)
+        ax.set(xlabel="training steps", ylabel=f"accuracy @{r['train_len']}", title=task, ylim=(-0.02, 1.02))
+        ax.legend()
+    figures = {"curves.png": fig}
+    if "induction_heads" not in tasks:
+        return figures
+    task = tasks["induction_heads"]
     fig, ax = plt.subplots(figsize=(6, 4))
     for kind, r in task["models"].items():
         lens = [int(n) for n in r["accuracy"]]
@@ -439,7 +523,8 @@ def _figures(report: dict) -> dict:
     ax.set_ylabel("accuracy")
     ax.set_title("induction heads")
     ax.legend()
-    return {"induction.png": fig}
+    figures["induction.png"] = fig
+    return figures
 
 
 # ---------------------------------------------------------------------------
