@@ -206,8 +206,9 @@ class LearnedTopology(nn.Module):
 
     with :math:`\mathbf{k}_u = \mathbf{W}_k \mathbf{x}_u` for a patch and
     :math:`\mathbf{k}_u = \mathbf{W}_k \mathbf{x}_u + \mathbf{W}'_k \mathbf{x}_{u-1}` for a token (the
-    token before it; zero at a graph's start), where :math:`K(v)` holds the :math:`k` best candidates of :math:`v`'s pool
-    (rule, content and random proposals together, see the module docstring)
+    token before it; zero at a graph's start), where :math:`K(v)` holds the
+    :math:`k` best candidates of :math:`v`'s pool (rule, content and random
+    proposals together, see the module docstring)
     and :math:`s_{\varnothing, \kappa}` is a learned "nothing" logit per
     destination node type :math:`\kappa`.
 
