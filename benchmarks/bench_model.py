@@ -7,6 +7,12 @@
    sum over the same edges and width (target: within 2x), for each map kind.
 3. The segment-reduction backends: torch-scatter's ``segment_csr`` against
    the pure-PyTorch fallback.
+4. The learned topology's content proposals alone
+   (:func:`~sheafgnn.nn.topology.content_blocks`: every output scores the
+   complete blocks before it, O(n^2 r / B)) at each n, and their share of
+   the step.
+5. Sheaf against dense at 32k tokens in the same run, at the compare's
+   matched sizes (sheaf d_model 128, dense matched within 10%, 2 layers).
 
 Peak memory is the peak resident set of the process during the step minus
 the resident set before it (see :class:`sheafgnn.memory.PeakMemory`); the
@@ -29,11 +35,13 @@ from pathlib import Path
 import torch
 
 from sheafgnn.data import corpus_text
+from sheafgnn.lm import build_model, matched_options
 from sheafgnn.memory import PeakMemory, keep_freed_memory
 from sheafgnn.model import SheafStateConfig, SheafStateLM
 from sheafgnn.nn.segment import HAS_TORCH_SCATTER, segment_sum, sort_by_destination, use_backend
 from sheafgnn.nn.sheaf import SheafConv
-from sheafgnn.site import build_site
+from sheafgnn.nn.topology import content_blocks
+from sheafgnn.site import SiteConfig, build_site
 
 
 def best_of(fn, repeats: int) -> float:
@@ -55,9 +63,7 @@ def slope(xs: list[float], ys: list[float]) -> float:
 def model_scaling(sizes: list[int], repeats: int, config: SheafStateConfig) -> list[dict]:
     torch.manual_seed(0)
     model = SheafStateLM(config).train()
-    raw = corpus_text("mixed", "train").encode()
-    raw = raw * (max(sizes) // len(raw) + 2)
-    ids = torch.tensor(list(raw[: max(sizes) + 1]), dtype=torch.long)
+    ids = _corpus_ids(max(sizes))
     rows = []
     for n in sizes:
         data = build_site(ids[:n], config.site_config)
@@ -76,6 +82,51 @@ def model_scaling(sizes: list[int], repeats: int, config: SheafStateConfig) -> l
                      "edges": sum(data[e].num_edges for e in data.edge_types), "memory_method": mem.method})
         print(f"  SheafStateLM n={n:>6}: {seconds:8.3f} s  {mem.extra_bytes / 2**20:9.1f} MiB", flush=True)
     return rows
+
+
+def _corpus_ids(n: int) -> torch.Tensor:
+    raw = corpus_text("mixed", "train").encode()
+    raw = raw * (n // len(raw) + 2)
+    return torch.tensor(list(raw[: n + 1]), dtype=torch.long)
+
+
+def proposal_cost(sizes: list[int], config: SheafStateConfig, repeats: int) -> list[dict]:
+    """Seconds of the content proposals alone (block scoring + top blocks) at each n, forward only."""
+    torch.manual_seed(0)
+    rows = []
+    for n in sizes:
+        query, keys = torch.randn(n, config.topology_rank), torch.randn(n, config.topology_rank)
+        position, start = torch.arange(n), torch.zeros(n, dtype=torch.long)
+        seconds = best_of(lambda: content_blocks(query, keys, position, start, config.proposal_block,  # noqa: B023
+                                                 config.content_blocks), repeats)
+        rows.append({"n": n, "content_proposals_s": seconds})
+        print(f"  content proposals n={n:>6}: {seconds:8.3f} s", flush=True)
+    return rows
+
+
+def sheaf_vs_dense(n: int, repeats: int) -> dict:
+    """Forward+backward of one n-token window, sheaf against dense at matched parameters."""
+    options, counts = matched_options(("sheaf", "dense"), {"d_model": 128, "n_layers": 2}, 256, n_heads=4,
+                                      window=256)
+    ids = _corpus_ids(n)
+    out = {"n": n, "params": {k: counts[k] for k in ("sheaf", "dense")},
+           "d_model": {k: options[k]["d_model"] for k in ("sheaf", "dense")}}
+    for kind in ("sheaf", "dense"):
+        torch.manual_seed(0)
+        site = {} if kind == "sheaf" else {"patch_types": []}  # dense reads the token ids only
+        model = build_model(kind, options[kind], 256, site).train()
+        data = build_site(ids[:n], SiteConfig.from_dict(site))
+        data["token"].y = ids[1 : n + 1]
+
+        def step(model=model, data=data):
+            model.loss(data).backward()
+            model.zero_grad(set_to_none=True)
+
+        step()
+        out[f"{kind}_s"] = best_of(step, repeats)
+        print(f"  {kind:<6} n={n}: {out[f'{kind}_s']:.2f} s", flush=True)
+    out["dense_over_sheaf"] = out["dense_s"] / out["sheaf_s"]
+    return out
 
 
 def conv_vs_gather(num_nodes: int, degree: int, width: int, stalk_dim: int, repeats: int) -> dict:
@@ -144,6 +195,7 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: 2)")
+    parser.add_argument("--compare-n", type=int, default=32768, help="tokens of the sheaf vs dense step (default: 32k)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     allocator_tuned = keep_freed_memory()
@@ -167,13 +219,22 @@ def main() -> None:
     seg = backends(1_000_000, 100_000, 64, args.repeats)
     print("  " + ", ".join(f"{k} {v:.3f}" for k, v in seg.items() if k.endswith("_s") or k.startswith("fallback")))
 
+    print("4. content proposals (block scoring and the best blocks), forward")
+    proposals = proposal_cost(args.sizes, config, args.repeats)
+    for row, model_row in zip(proposals, rows):
+        row["share_of_step"] = row["content_proposals_s"] * config.n_layers / model_row["fwd_bwd_s"]
+    print(f"5. sheaf vs dense at {args.compare_n} tokens, matched parameters")
+    versus = sheaf_vs_dense(args.compare_n, 1)
+    print(f"  dense / sheaf: {versus['dense_over_sheaf']:.2f}x")
+
     result = {"machine": {"platform": platform.platform(), "threads": torch.get_num_threads(),
                           "allocator_tuned": allocator_tuned, "torch": torch.__version__,
                           "torch_scatter": HAS_TORCH_SCATTER},
               "config": config.to_dict(), "model": rows, "slopes_4k_up": slopes,
               "targets": {"slope_time_met": slopes["time"] <= 1.1, "slope_memory_met": slopes["memory"] <= 1.1,
                           "sheafconv_diag_within_2x": conv["ratio_diag"] <= 2.0},
-              "sheafconv": conv, "segment_backends": seg}
+              "sheafconv": conv, "segment_backends": seg, "content_proposals": proposals,
+              "sheaf_vs_dense": versus}
     (out / "model.json").write_text(json.dumps(result, indent=2))
     plot(rows, out / "model.png")
     print(f"wrote {out / 'model.json'}, {out / 'model.png'}")
