@@ -14,7 +14,7 @@ j - 1, so the relations of
   site edge (cover, chain, anchor, recurrence, retrieval, write and read
   edges), plus the token stream token t-1 -> token t (the selective scan Phi
   steps along it), each one hop. Causality of the site makes every such pair
-  i < j. A learned topology keeps some candidate edges (:func:`topology_graph`).
+  i < j. A learned topology keeps some gluing edges (:func:`topology_graph`).
 
 A dependency (src, dst) is **realised** by a topology when (src, dst) is one
 of its relations. **coverage** = realised dependencies / dependencies
@@ -33,6 +33,7 @@ relations the dense triangle.
 
     attention_graph(n, window) / site_graph(data) / topology_graph(topology, data) -> RelationGraph
     relation_stats(graph, hops, src, dst)   relations, realised flags, relations per destination
+    reach_from_tokens(graph, tokens, hops)  the nodes each token reaches in <= hops hops
     relation_matrix(graph, hops)            the relations as a sparse (n, n) matrix (small n)
     score_graph(graph, hops, src, dst, dep_type, type_names)   coverage, waste, relations, edges
 
@@ -108,21 +109,28 @@ def attention_graph(n: int, window: int | None = None) -> RelationGraph:
     return RelationGraph(2 * n, np.stack([src, dst + n]), t, t + n, {"attention": int(src.size)})
 
 
+def node_offsets(data: HeteroData) -> tuple[dict[str, int], int]:
+    """The global id of each node type's first node in a relation graph (:data:`NODE_TYPES` order,
+    tokens first), and the number of nodes."""
+    offset, total = {}, 0
+    for node_type in NODE_TYPES:
+        offset[node_type] = total
+        total += data[node_type].num_nodes
+    return offset, total
+
+
 def graph_from_edges(data: HeteroData, edges: dict[EdgeType, Tensor], stream: bool = True) -> RelationGraph:
     """The relation graph of a site with the given typed edges (plus the token stream).
 
-    Nodes get global ids in :data:`NODE_TYPES` order (tokens first); the read
-    node of position t is output t.
+    Nodes get global ids in :data:`NODE_TYPES` order (:func:`node_offsets`);
+    the read node of position t is output t.
 
     Args:
         data (HeteroData): the site (node counts).
         edges (dict): edge type -> (2, E) edge index in that type's node indices.
         stream (bool): add token t-1 -> token t, the selective scan (default: :obj:`True`).
     """
-    offset, total = {}, 0
-    for node_type in NODE_TYPES:
-        offset[node_type] = total
-        total += data[node_type].num_nodes
+    offset, total = node_offsets(data)
     n = data["token"].num_nodes
     parts, by_type = [], {}
     for (src_type, rel, dst_type), edge_index in edges.items():
@@ -146,11 +154,13 @@ def site_graph(data: HeteroData, stream: bool = True) -> RelationGraph:
 
 def topology_graph(topology: dict[EdgeType, dict[str, Tensor]], data: HeteroData,
                    stream: bool = True) -> RelationGraph:
-    """The relation graph of a learned topology: its kept candidate edges, the site's fixed edges
-    (cover, ``token reads output``) and the token stream.
+    """The relation graph of a learned topology: its kept gluing edges (every type of
+    :data:`~sheafgnn.site.schema.GLUE_EDGES` it holds: rule, content-addressed and random), the
+    site's fixed edges (cover, ``token reads output``) and the token stream.
 
     Args:
-        topology (dict): ``SheafStateLM.topology(data)``: edge type -> {"edge_index", "gate", "energy"}.
+        topology (dict): edge type -> {"edge_index": (2, E), ...} in that type's node indices, e.g.
+            ``SheafStateLM.topology(data)`` (a rule type it lacks contributes no edge).
         data (HeteroData): the site it was computed on.
     """
     edges = {e: data[e].edge_index for e in data.edge_types if e not in CANDIDATE_EDGES}
@@ -220,6 +230,23 @@ def relation_stats(graph: RelationGraph, hops: int, src: np.ndarray | None = Non
             pos = np.searchsorted(keys, want).clip(max=keys.size - 1)
             realised[idx] = keys[pos] == want
     return total, realised, per_dst
+
+
+def reach_from_tokens(graph: RelationGraph, tokens: np.ndarray, hops: int) -> sp.csr_matrix:
+    """(D, N) boolean: entry [d, v] is True when node v is reachable from token ``tokens[d]`` along
+    the graph's edges in at most ``hops`` hops (0 hops: the token's own node).
+
+    A relation (i, t + 1) of an edge u -> read node t exists when token i reaches u
+    in ``hops - 1`` hops: this is the forward half of :func:`relation_stats`.
+    """
+    num, ei = graph.num_nodes, graph.edge_index
+    forward = sp.csr_matrix((np.ones(ei.shape[1], dtype=bool), (ei[0], ei[1])), shape=(num, num))  # src -> dst
+    tokens = np.asarray(tokens, dtype=np.int64)
+    reach = sp.csr_matrix((np.ones(tokens.size, dtype=bool), (np.arange(tokens.size), graph.token_node[tokens])),
+                          shape=(tokens.size, num))  # (D, N)
+    for _ in range(hops):
+        reach = reach + reach @ forward  # paths one hop longer
+    return reach
 
 
 def relation_matrix(graph: RelationGraph, hops: int, chunk: int = 1 << 14) -> sp.csr_matrix:

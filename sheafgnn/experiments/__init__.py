@@ -8,6 +8,7 @@
     synthetic          the paper's synthetic language with its dependency graph G*, scored
     simulation         the paper's table, the scaling run, the hop sweep     (sheafgnn simulate)
     learned_topology   a trained model's topology scored against G*          (sheafgnn simulate --learned)
+    pool_scoring       the candidate pools against G*: AUC per destination, candidate recall
     inspection         a topology on a text: statistics, exports, plots      (sheafgnn inspect)
     report             running a report command, writing reports, plots and fits
 

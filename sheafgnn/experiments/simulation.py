@@ -19,7 +19,7 @@ the same sequence.
     hop_sweep(n, seed, hops) the site's coverage and waste at several H
 
     sheafgnn simulate [--n 32768] [--out runs/simulate]      simulate_table.json, simulate_scaling.json/.png
-    sheafgnn simulate --learned [...]                        simulate_learned.json/.png
+    sheafgnn simulate --learned [...]                        learned_topology.json/.png
                                                              (sheafgnn.experiments.learned_topology)
 
 **Edges**: the relations for dense and window attention (one attention score
@@ -204,7 +204,7 @@ def parse_simulate_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="scaling run up to n = 2^this (default: 20)")
     parser.add_argument("--out", default="runs/simulate", help="output folder (default: runs/simulate)")
     parser.add_argument("--learned", action="store_true",
-                        help="instead: train SheafStateLM and score its learned topology (simulate_learned.json)")
+                        help="instead: train SheafStateLM and score its learned topology (learned_topology.json)")
     parser.add_argument("--steps", type=at_least(1), default=4500,
                         help="--learned: optimizer steps (default: 4500)")
     parser.add_argument("--n-train", type=at_least(8), default=1 << 19,
@@ -212,7 +212,8 @@ def parse_simulate_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=5e-3, help="--learned: peak learning rate (default: 5e-3)")
     parser.add_argument("--train-window", type=at_least(2), default=1024,
                         help="--learned: tokens per window (default: 1024)")
-    parser.add_argument("--gate-penalty", type=float, default=0.01, help="--learned: gate penalty (default: 0.01)")
+    parser.add_argument("--topology-k", type=at_least(1), default=2,
+                        help="--learned: gluing edges kept per destination (default: 2)")
     parser.add_argument("--max-seconds", type=float, default=None, help="--learned: stop training after this long")
     parser.add_argument("--threads", type=at_least(0), default=1,
                         help="--learned: torch threads (default: 1, the model is tiny; 0: torch's default)")
