@@ -10,6 +10,7 @@ import torch
 from sheafgnn.experiments import inspection as I
 from sheafgnn.relations import relation_stats, site_graph
 from sheafgnn.site import CANDIDATE_EDGES, NODE_TYPES, ByteTokenizer, SiteConfig, build_site
+from sheafgnn.site.schema import CONTENT_EDGE, GLUE_EDGES
 
 from .conftest import PROSE
 
@@ -22,10 +23,10 @@ def site():
 
 
 def _hand_topology(data) -> I.Topology:
-    """The designed topology with three memory edges given hand-made gates and energies."""
+    """The designed topology with three memory edges given hand-made weights and energies."""
     topology = I.designed_topology(data)
     ei = data[RECURS].edge_index[:, :3]
-    topology[RECURS] = {"edge_index": ei, "gate": torch.tensor([0.15, 0.95, 0.55]),
+    topology[RECURS] = {"edge_index": ei, "weight": torch.tensor([0.15, 0.95, 0.55]),
                         "energy": torch.tensor([1.0, 2.0, float("nan")])}
     return topology
 
@@ -41,7 +42,7 @@ def test_designed_topology_statistics(site):
         hist = row["in_degree_hist"]
         assert sum(hist) == site[edge_type[2]].num_nodes  # every destination node, degree 0 included
         assert sum(d * h for d, h in enumerate(hist)) == count
-        assert row["gate_hist"] == [0] * 9 + [count]
+        assert row["weight_hist"] == [0] * 9 + [count]
         assert row["energy_mean"] is None
     nodes = I.node_stats(site)
     assert list(nodes) == list(NODE_TYPES)
@@ -53,11 +54,11 @@ def test_hand_made_topology_statistics_and_top_edges(site):
     topology = _hand_topology(site)
     row = I.edge_stats(topology, site, bins=10)["memory__recurs__memory"]
     assert row["kept"] == 3 and row["kept_fraction"] == pytest.approx(3 / site[RECURS].edge_index.size(1))
-    assert row["gate_hist"] == [0, 1, 0, 0, 0, 1, 0, 0, 0, 1]
-    assert row["gate_mean"] == pytest.approx(0.55)
+    assert row["weight_hist"] == [0, 1, 0, 0, 0, 1, 0, 0, 0, 1]
+    assert row["weight_mean"] == pytest.approx(0.55)
     assert row["energy_mean"] == pytest.approx(1.5)  # NaN energies are left out
     top = I.top_edges(topology, site, ByteTokenizer(), k=2)["memory__recurs__memory"]
-    assert [r["gate"] for r in top] == pytest.approx([0.95, 0.55])
+    assert [r["weight"] for r in top] == pytest.approx([0.95, 0.55])
     assert top[1]["energy"] is None
     raw = PROSE.encode()
     for r in top:
@@ -71,16 +72,16 @@ def test_hand_made_topology_statistics_and_top_edges(site):
 
 def test_check_topology_errors(site):
     good = _hand_topology(site)
-    with pytest.raises(ValueError, match="not a candidate"):
+    with pytest.raises(ValueError, match="not a gluing edge type"):
         I.check_topology({("token", "in", "local"): good[RECURS]}, site)
     bad = dict(good)
-    bad[RECURS] = {**good[RECURS], "gate": torch.tensor([0.1, 2.0, 0.5])}
+    bad[RECURS] = {**good[RECURS], "weight": torch.tensor([0.1, 2.0, 0.5])}
     with pytest.raises(ValueError, match="outside"):
         I.check_topology(bad, site)
     bad[RECURS] = {**good[RECURS], "edge_index": good[RECURS]["edge_index"] + 10_000}
     with pytest.raises(ValueError, match="out of range"):
         I.check_topology(bad, site)
-    bad[RECURS] = {"edge_index": good[RECURS]["edge_index"], "gate": torch.ones(2), "energy": torch.ones(2)}
+    bad[RECURS] = {"edge_index": good[RECURS]["edge_index"], "weight": torch.ones(2), "energy": torch.ones(2)}
     with pytest.raises(ValueError, match="needs edge_index"):
         I.check_topology(bad, site)
     with pytest.raises(ValueError, match="lacks"):
@@ -112,10 +113,10 @@ def test_export_round_trip(site, tmp_path, fmt):
     assert node["text"] == PROSE[16:24]
     for u, v, key, attrs in graph.edges(keys=True, data=True):
         other = back.edges[u, v, key]
-        for name in ("type", "gate", "energy", "learned"):
+        for name in ("type", "weight", "energy", "learned"):
             assert _same(other[name], attrs[name]), (u, v, key, name)
     memory = [(u, v, d) for u, v, d in back.edges(data=True) if d["type"] == "memory__recurs__memory"]
-    assert sorted(d["gate"] for _, _, d in memory) == pytest.approx([0.15, 0.55, 0.95])
+    assert sorted(d["weight"] for _, _, d in memory) == pytest.approx([0.15, 0.55, 0.95])
 
 
 def test_triangle_density_is_exact():
@@ -139,22 +140,53 @@ def test_inspect_site_designed(site, tmp_path):
     assert "designed topology" in I.format_summary(stats)
 
 
-def test_main_inspect_untrained_model(tmp_path):
-    model_module = pytest.importorskip("sheafgnn.model")
-    if not hasattr(model_module.SheafStateLM, "topology"):
-        pytest.skip("SheafStateLM has no topology() yet")
+def test_main_inspect_untrained_model(tmp_path, capsys):
+    from sheafgnn.model import SheafStateConfig, SheafStateLM
+
     torch.manual_seed(0)
-    config = model_module.SheafStateConfig(d_model=32, n_layers=1, stalk_dim=4, headdim=16, d_state=8,
-                                           site={"local_window": 8})
-    model = model_module.SheafStateLM(config)
-    stats = I.main_inspect(model, PROSE, out_dir=tmp_path, verbose=False)
+    config = SheafStateConfig(d_model=32, n_layers=1, stalk_dim=4, headdim=16, d_state=8, topology_k=4,
+                              site={"local_window": 8})
+    model = SheafStateLM(config)
+    stats = I.main_inspect(model, PROSE, out_dir=tmp_path, verbose=True)
     assert stats["source"] == "model"
+    assert set(stats["edges"]) == {I.edge_key(e) for e in GLUE_EDGES}  # every glue type, proposals included
     for row in stats["edges"].values():
         assert row["kept"] <= row["candidates"]
         if row["kept"]:
-            assert 0.0 <= row["gate_mean"] <= 1.0
+            assert 0.0 <= row["weight_mean"] <= 1.0
+    content = stats["edges"][I.edge_key(CONTENT_EDGE)]
+    assert 0 < content["kept"] < content["candidates"]  # the pools are larger than what is kept
+    assert stats["totals"]["kept"] < stats["totals"]["candidates"]
     assert (tmp_path / "arcs.png").stat().st_size > 0
     assert stats["relations"]["relations"] <= stats["relations"]["dense"]
+    printed = capsys.readouterr().out
+    assert "strongest content-addressed edges" in printed and "token__matches__output" in printed
+
+
+def test_content_edges_are_listed_with_their_text(tmp_path):
+    from sheafgnn.model import SheafStateConfig, SheafStateLM
+
+    torch.manual_seed(0)
+    model = SheafStateLM(SheafStateConfig(d_model=32, n_layers=1, stalk_dim=4, headdim=16, d_state=8,
+                                          topology_k=4, site={"local_window": 8}))
+    stats = I.main_inspect(model, PROSE, out_dir=tmp_path, verbose=False)
+    rows = stats["content_edges"]
+    assert 0 < len(rows) <= 10
+    assert [r["weight"] for r in rows] == sorted((r["weight"] for r in rows), reverse=True)  # strongest first
+    raw = PROSE.encode()
+    for r in rows:
+        s, d = r["src"], r["dst"]
+        assert s <= d and r["src_span"] == [s, s + 1] and r["dst_span"] == [d, d + 1]  # causal: token s -> output d
+        assert r["score"] is not None and 0.0 < r["weight"] <= 1.0
+        left, rest = r["src_text"].split("⟦")
+        token, right = rest.split("⟧")
+        assert token == raw[s : s + 1].decode().replace("\n", "\\n")
+        assert raw[max(s - 16, 0) : s].decode().replace("\n", "\\n") == left
+        assert r["dst_text"].endswith("⟦" + raw[d : d + 1].decode().replace("\n", "\\n") + "⟧")
+        assert r["next_text"] == raw[d + 1 : d + 2].decode().replace("\n", "\\n")
+    written = json.loads((tmp_path / "stats.json").read_text())
+    assert written["content_edges"] == rows
+    assert "strongest content-addressed edges" in I.format_summary(stats)
 
 
 def test_main_inspect_refuses_a_one_token_text(tmp_path):

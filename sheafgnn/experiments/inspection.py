@@ -1,23 +1,27 @@
 r"""Topology inspection: statistics, the top edges with their text, exports and plots.
 
-A *topology* is what ``SheafStateLM.topology(data)`` returns: per candidate
-edge type (:data:`~sheafgnn.site.schema.CANDIDATE_EDGES`) the kept edges in
-that type's node indices, their gates and their gluing energies::
+A *topology* is what ``SheafStateLM.topology(data)`` returns (its last
+block): per glue edge type (:data:`~sheafgnn.site.schema.GLUE_EDGES`: the
+site's rule types, the content-addressed ``token matches output`` and the
+random ``token explores output``) the kept edges in that type's node indices,
+their softmax weights and gluing energies, and how many candidates the type
+had in the pools::
 
-    {edge_type: {"edge_index": (2, E_kept) long, "gate": (E_kept,) float in [0, 1],
-                 "energy": (E_kept,) float}}
+    {edge_type: {"edge_index": (2, E_kept) long, "weight": (E_kept,) float in [0, 1],
+                 "energy": (E_kept,) float, "num_candidates": int, ...}}
 
-Without a model, :func:`designed_topology` gives the site's candidate edges
-with gate 1 and energy NaN: the *designed* topology.
+Without a model, :func:`designed_topology` gives the site's rule edges with
+weight 1 and energy NaN: the *designed* topology.
 
 ::
 
     main_inspect(model, text, tokenizer, site_config, out_dir)
       '- build_site(text) -> inspect_site(model_or_none, data, tokenizer, out_dir) -> stats
-           |- node_stats, edge_stats      counts, in-degree histogram, gate histogram, mean energy
-           |- top_edges                   highest-gate edges of each type, with the text they join
+           |- node_stats, edge_stats      kept against candidates, in-degree and weight histograms, energy
+           |- top_edges                   highest-weight edges of each type, with the text they join
+           |- content_edges               the strongest content-addressed edges, with their text
            |- to_networkx                 -> topology.graphml, topology.json
-           |- plot_arcs                   arcs.png: edges over the text, by type and gate
+           |- plot_arcs                   arcs.png: edges over the text, by type and weight
            '- plot_relations              relations.png: token-to-token relations beside dense
 
 Definitions: the *in-degree* of a node for an edge type counts that type's
@@ -26,7 +30,10 @@ of an edge is the model's disagreement of the restriction maps on it (its
 definition lives in the model); a *relation* is a token pair (i, j), i < j,
 whose token i reaches output j - 1 within ``hops`` hops of the topology's
 kept edges, the site's fixed edges (cover, ``token reads output``) and the
-token stream (:mod:`sheafgnn.relations`).
+token stream (:mod:`sheafgnn.relations`). Text: a patch shows the text it
+spans; a token its neighbourhood with the token in brackets ``⟦ ⟧``; an
+output the text up to its position (bracketed), and ``next_text`` the token
+it predicts.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ from torch_geometric.data import HeteroData
 from sheafgnn.experiments.report import pyplot, save_figure
 from sheafgnn.relations import dense_relations, relation_matrix, topology_graph
 from sheafgnn.site import CANDIDATE_EDGES, NODE_TYPES, ByteTokenizer, SiteConfig, build_site, validate_site
-from sheafgnn.site.schema import EdgeType
+from sheafgnn.site.schema import CONTENT_EDGE, GLUE_EDGES, EdgeType
 
 Topology = dict[EdgeType, dict[str, Tensor]]
 
@@ -57,13 +64,13 @@ def edge_key(edge_type: EdgeType) -> str:
 # ---------------------------------------------------------------- topologies
 
 def designed_topology(data: HeteroData) -> Topology:
-    """The site's candidate edges with gate 1 and energy NaN: the topology as designed."""
+    """The site's rule edges with weight 1 and energy NaN, each its own candidate: the topology as designed."""
     out = {}
     for edge_type in CANDIDATE_EDGES:
         edge_index = data[edge_type].edge_index if edge_type in data.edge_types else torch.zeros(2, 0, dtype=torch.long)
         e = edge_index.size(1)
-        out[edge_type] = {"edge_index": edge_index.long(), "gate": torch.ones(e),
-                          "energy": torch.full((e,), float("nan"))}
+        out[edge_type] = {"edge_index": edge_index.long(), "weight": torch.ones(e),
+                          "energy": torch.full((e,), float("nan")), "num_candidates": e}
     return out
 
 
@@ -72,27 +79,28 @@ def model_topology(model, data: HeteroData) -> Topology:
     """``model.topology(data)`` on the model's device, returned detached on the CPU."""
     device = next(model.parameters()).device
     topology = model.topology(data.to(device))
-    return {e: {k: v.detach().cpu() for k, v in entry.items()} for e, entry in topology.items()}
+    return {e: {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in entry.items()}
+            for e, entry in topology.items()}
 
 
 def check_topology(topology: Topology, data: HeteroData) -> Topology:
     """Check a topology against its site; raise ValueError naming the edge type and the problem."""
     for edge_type, entry in topology.items():
-        if edge_type not in CANDIDATE_EDGES:
-            raise ValueError(f"inspect: {edge_type} is not a candidate edge type; see CANDIDATE_EDGES")
-        missing = {"edge_index", "gate", "energy"} - set(entry)
+        if edge_type not in GLUE_EDGES:
+            raise ValueError(f"inspect: {edge_type} is not a gluing edge type; see GLUE_EDGES")
+        missing = {"edge_index", "weight", "energy"} - set(entry)
         if missing:
             raise ValueError(f"inspect: topology[{edge_type}] lacks {sorted(missing)}")
-        ei, gate, energy = entry["edge_index"], entry["gate"], entry["energy"]
-        if ei.dim() != 2 or ei.size(0) != 2 or gate.shape != (ei.size(1),) or energy.shape != gate.shape:
-            raise ValueError(f"inspect: topology[{edge_type}] needs edge_index (2, E), gate (E,), energy (E,); "
-                             f"got {tuple(ei.shape)}, {tuple(gate.shape)}, {tuple(energy.shape)}")
+        ei, weight, energy = entry["edge_index"], entry["weight"], entry["energy"]
+        if ei.dim() != 2 or ei.size(0) != 2 or weight.shape != (ei.size(1),) or energy.shape != weight.shape:
+            raise ValueError(f"inspect: topology[{edge_type}] needs edge_index (2, E), weight (E,), energy (E,); "
+                             f"got {tuple(ei.shape)}, {tuple(weight.shape)}, {tuple(energy.shape)}")
         for index, node_type in zip(ei, (edge_type[0], edge_type[2])):
             if index.numel() and (int(index.min()) < 0 or int(index.max()) >= data[node_type].num_nodes):
                 raise ValueError(f"inspect: topology[{edge_type}] indexes a '{node_type}' node out of range "
                                  f"(the site has {data[node_type].num_nodes})")
-        if gate.numel() and (float(gate.min()) < 0 or float(gate.max()) > 1):
-            raise ValueError(f"inspect: topology[{edge_type}] has gates outside [0, 1]")
+        if weight.numel() and (float(weight.min()) < 0 or float(weight.max()) > 1):
+            raise ValueError(f"inspect: topology[{edge_type}] has weights outside [0, 1]")
     return topology
 
 
@@ -121,20 +129,24 @@ def node_stats(data: HeteroData) -> dict[str, dict]:
 
 
 def edge_stats(topology: Topology, data: HeteroData, bins: int = 10) -> dict[str, dict]:
-    """Per edge type: candidates in the site, kept edges, in-degree histogram, gate histogram, mean energy.
+    """Per edge type: candidates in the pools, kept edges, in-degree and weight histograms, mean energy.
+
+    The candidates are the entry's ``num_candidates`` (the model's pools), else
+    the site's edges of that type.
 
     Returns:
         dict keyed by :func:`edge_key`: ``candidates``, ``kept``, ``kept_fraction``,
         ``in_degree_hist`` (entry d = destination nodes with in-degree d),
-        ``mean_in_degree``, ``max_in_degree``, ``gate_hist`` (``bins`` counts over
-        [0, 1]), ``gate_mean`` and ``energy_mean`` (None when undefined).
+        ``mean_in_degree``, ``max_in_degree``, ``weight_hist`` (``bins`` counts over
+        [0, 1]), ``weight_mean`` and ``energy_mean`` (None when undefined).
     """
     out = {}
     for edge_type, entry in topology.items():
-        ei, gate, energy = entry["edge_index"], entry["gate"].double(), entry["energy"].double()
+        ei, weight, energy = entry["edge_index"], entry["weight"].double(), entry["energy"].double()
         num_dst = data[edge_type[2]].num_nodes
         degree = torch.bincount(ei[1], minlength=num_dst) if num_dst else torch.zeros(0, dtype=torch.long)
-        candidates = data[edge_type].edge_index.size(1) if edge_type in data.edge_types else 0
+        in_site = data[edge_type].edge_index.size(1) if edge_type in data.edge_types else 0
+        candidates = int(entry.get("num_candidates", in_site))
         finite = energy[~torch.isnan(energy)]
         out[edge_key(edge_type)] = {
             "candidates": int(candidates),
@@ -143,57 +155,90 @@ def edge_stats(topology: Topology, data: HeteroData, bins: int = 10) -> dict[str
             "in_degree_hist": torch.bincount(degree).tolist() if degree.numel() else [],
             "mean_in_degree": float(degree.double().mean()) if degree.numel() else None,
             "max_in_degree": int(degree.max()) if degree.numel() else 0,
-            "gate_hist": np.histogram(gate.numpy(), bins=bins, range=(0.0, 1.0))[0].tolist(),
-            "gate_mean": float(gate.mean()) if gate.numel() else None,
+            "weight_hist": np.histogram(weight.numpy(), bins=bins, range=(0.0, 1.0))[0].tolist(),
+            "weight_mean": float(weight.mean()) if weight.numel() else None,
             "energy_mean": float(finite.mean()) if finite.numel() else None,
         }
     return out
 
 
+def _escape(text: str) -> str:
+    return text.replace("\n", "\\n").replace("\t", "\\t")
+
+
 def _snippet(text: str, max_chars: int) -> str:
-    text = text.replace("\n", "\\n").replace("\t", "\\t")
+    text = _escape(text)
     return text if len(text) <= max_chars else text[: max_chars // 2 - 1] + "..." + text[-(max_chars // 2 - 2):]
+
+
+def node_text(ids: Tensor, tokenizer, node_type: str, span: list[int], max_chars: int = 48) -> str:
+    """The text of a node: a patch's span; a token's neighbourhood (``max_chars // 3`` tokens each
+    side, the token in ``⟦ ⟧``); an output's preceding ``2 * max_chars // 3`` tokens and its own
+    position in ``⟦ ⟧`` (what it has read)."""
+    start, end = span
+    decode = lambda a, b: _escape(tokenizer.decode(ids[max(a, 0) : b]))
+    if node_type == "token":
+        width = max_chars // 3
+        return f"{decode(start - width, start)}⟦{decode(start, end)}⟧{decode(end, end + width)}"
+    if node_type == "output":
+        return f"{decode(end - 1 - 2 * max_chars // 3, end - 1)}⟦{decode(end - 1, end)}⟧"
+    return _snippet(tokenizer.decode(ids[start:end]), max_chars)
 
 
 def top_edges(topology: Topology, data: HeteroData, tokenizer=None, k: int = 5,
               max_chars: int = 48) -> dict[str, list[dict]]:
-    """The ``k`` highest-gate edges of each type, with the token spans and text they join.
+    """The ``k`` highest-weight edges of each type, with the token spans and text they join.
 
-    Ties keep the site's edge order. Each entry: ``src``, ``dst`` (node indices),
-    ``gate``, ``energy``, ``src_span``, ``dst_span`` and ``src_text``, ``dst_text``.
+    Ties keep the topology's edge order. Each entry: ``src``, ``dst`` (node
+    indices), ``weight``, ``score`` (None without scores), ``energy``,
+    ``src_span``, ``dst_span``, ``src_text``, ``dst_text`` (:func:`node_text`)
+    and, into an output, ``next_text``: the token it predicts ("" at the end).
     """
     tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
     ids = data["token"].x
     out = {}
     for edge_type, entry in topology.items():
-        ei, gate, energy = entry["edge_index"], entry["gate"], entry["energy"]
-        order = torch.sort(gate, descending=True, stable=True).indices[:k]
+        ei, weight, energy, score = entry["edge_index"], entry["weight"], entry["energy"], entry.get("score")
+        order = torch.sort(weight, descending=True, stable=True).indices[:k]
         src_spans, dst_spans = spans(data, edge_type[0]), spans(data, edge_type[2])
         rows = []
         for e in order.tolist():
             s, d = int(ei[0, e]), int(ei[1, e])
-            (s0, s1), (d0, d1) = src_spans[s].tolist(), dst_spans[d].tolist()
-            rows.append({
-                "src": s, "dst": d, "gate": float(gate[e]), "energy": _nan_to_none(float(energy[e])),
-                "src_span": [s0, s1], "dst_span": [d0, d1],
-                "src_text": _snippet(tokenizer.decode(ids[s0:s1]), max_chars),
-                "dst_text": _snippet(tokenizer.decode(ids[d0:d1]), max_chars),
-            })
+            src_span, dst_span = src_spans[s].tolist(), dst_spans[d].tolist()
+            row = {"src": s, "dst": d, "weight": float(weight[e]),
+                   "score": None if score is None else float(score[e]), "energy": _nan_to_none(float(energy[e])),
+                   "src_span": src_span, "dst_span": dst_span,
+                   "src_text": node_text(ids, tokenizer, edge_type[0], src_span, max_chars),
+                   "dst_text": node_text(ids, tokenizer, edge_type[2], dst_span, max_chars)}
+            if edge_type[2] == "output":
+                row["next_text"] = _escape(tokenizer.decode(ids[dst_span[1] : dst_span[1] + 1]))
+            rows.append(row)
         out[edge_key(edge_type)] = rows
     return out
+
+
+def content_edges(topology: Topology, data: HeteroData, tokenizer=None, k: int = 10) -> list[dict]:
+    """The ``k`` strongest content-addressed edges (``token matches output``, highest weight) with
+    their text (:func:`top_edges`' rows); [] when the topology has none."""
+    if CONTENT_EDGE not in topology:
+        return []
+    return top_edges({CONTENT_EDGE: topology[CONTENT_EDGE]}, data, tokenizer, k)[edge_key(CONTENT_EDGE)]
+
+
+def _format_edge(r: dict) -> str:
+    energy = "nan" if r["energy"] is None else f"{r['energy']:.3g}"
+    score = "" if r.get("score") is None else f"  score {r['score']:+.3f}"
+    after = f" -> {r['next_text']!r}" if "next_text" in r else ""
+    return (f"  weight {r['weight']:.3f}{score}  energy {energy:>7}  [{r['src_span'][0]}, {r['src_span'][1]}) "
+            f"{r['src_text']!r}  ->  [{r['dst_span'][0]}, {r['dst_span'][1]}) {r['dst_text']!r}{after}")
 
 
 def format_top_edges(top: dict[str, list[dict]]) -> str:
     """The top edges as text, one block per edge type with edges."""
     lines = []
     for key, rows in top.items():
-        if not rows:
-            continue
-        lines.append(key)
-        for r in rows:
-            energy = "nan" if r["energy"] is None else f"{r['energy']:.3g}"
-            lines.append(f"  gate {r['gate']:.3f}  energy {energy:>7}  [{r['src_span'][0]}, {r['src_span'][1]}) "
-                         f"{r['src_text']!r}  ->  [{r['dst_span'][0]}, {r['dst_span'][1]}) {r['dst_text']!r}")
+        if rows:
+            lines += [key, *map(_format_edge, rows)]
     return "\n".join(lines)
 
 
@@ -208,9 +253,9 @@ def to_networkx(topology: Topology, data: HeteroData, tokenizer=None, fixed: boo
 
     Node ids are ``"type:index"``; node attributes ``type``, ``index``, ``time``,
     ``span_start``, ``span_end`` (and ``text``, the decoded span). Edges are
-    keyed by :func:`edge_key` with attributes ``type``, ``gate``, ``energy``
+    keyed by :func:`edge_key` with attributes ``type``, ``weight``, ``energy``
     and ``learned`` (False for the site's fixed edges, which ``fixed=True``
-    adds with gate 1 and energy NaN).
+    adds with weight 1 and energy NaN).
     """
     tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
     ids = data["token"].x
@@ -228,13 +273,14 @@ def to_networkx(topology: Topology, data: HeteroData, tokenizer=None, fixed: boo
         for e in data.edge_types:
             if e not in CANDIDATE_EDGES:
                 count = data[e].edge_index.size(1)
-                entry = {"edge_index": data[e].edge_index, "gate": torch.ones(count),
+                entry = {"edge_index": data[e].edge_index, "weight": torch.ones(count),
                          "energy": torch.full((count,), float("nan"))}
                 entries.append((e, entry, False))
     for (src_type, rel, dst_type), entry, learned in entries:
         key = edge_key((src_type, rel, dst_type))
-        for (s, d), g, en in zip(entry["edge_index"].t().tolist(), entry["gate"].tolist(), entry["energy"].tolist()):
-            graph.add_edge(f"{src_type}:{s}", f"{dst_type}:{d}", key=key, type=key, gate=float(g),
+        for (s, d), w, en in zip(entry["edge_index"].t().tolist(), entry["weight"].tolist(),
+                                 entry["energy"].tolist()):
+            graph.add_edge(f"{src_type}:{s}", f"{dst_type}:{d}", key=key, type=key, weight=float(w),
                            energy=float(en), learned=learned)
     return graph
 
@@ -283,10 +329,10 @@ def plot_arcs(topology: Topology, data: HeteroData, path, tokenizer=None, max_ar
               title: str | None = None) -> None:
     """Arc diagram over the text: each edge an arc between its endpoints' span midpoints.
 
-    Gluing edges arc above the axis, ``reads -> output`` edges below; colour is
-    the edge type, opacity and width the gate. At most ``max_arcs`` arcs per
-    side (the highest gates) are drawn. Texts of at most 160 tokens are
-    written along the axis.
+    Edges between patches arc above the axis, edges into outputs (reads,
+    content-addressed and random) below; colour is the edge type, opacity and
+    width the weight. At most ``max_arcs`` arcs per side (the heaviest) are
+    drawn. Texts of at most 160 tokens are written along the axis.
     """
     from matplotlib.collections import LineCollection
 
@@ -298,28 +344,28 @@ def plot_arcs(topology: Topology, data: HeteroData, path, tokenizer=None, max_ar
     span = 1.0
     for side in (1.0, -1.0):
         types = [(e, entry) for e, entry in topology.items()
-                 if (e[1] == "reads") == (side < 0) and entry["gate"].numel()]
-        types.sort(key=lambda item: -item[1]["gate"].numel())  # the densest types first, under the rest
+                 if (e[2] == "output") == (side < 0) and entry["weight"].numel()]
+        types.sort(key=lambda item: -item[1]["weight"].numel())  # the densest types first, under the rest
         segments, rgba, widths, handles = [], [], [], []
         for edge_type, entry in types:
-            c = colours(CANDIDATE_EDGES.index(edge_type) % 20)
-            ei, gate = entry["edge_index"].numpy(), entry["gate"].double().numpy()
+            c = colours(GLUE_EDGES.index(edge_type) % 20)
+            ei, weight = entry["edge_index"].numpy(), entry["weight"].double().numpy()
             x0, x1 = _midpoints(data, edge_type[0])[ei[0]], _midpoints(data, edge_type[2])[ei[1]]
-            fade = min(1.0, max(0.05, 150 / gate.size))  # many arcs of one type: fainter each
+            fade = min(1.0, max(0.05, 150 / weight.size))  # many arcs of one type: fainter each
             segments.append(_arcs(x0, x1, side))
-            rgba.append(np.column_stack([np.tile(c[:3], (gate.size, 1)), (0.1 + 0.8 * gate) * fade]))
-            widths.append(0.3 + 1.5 * gate)
-            handles.append(plt.Line2D([], [], color=c, lw=2, label=f"{edge_key(edge_type)} ({gate.size:,})"))
+            rgba.append(np.column_stack([np.tile(c[:3], (weight.size, 1)), (0.1 + 0.8 * weight) * fade]))
+            widths.append(0.3 + 1.5 * weight)
+            handles.append(plt.Line2D([], [], color=c, lw=2, label=f"{edge_key(edge_type)} ({weight.size:,})"))
         if not segments:
             continue
         seg, col, lw = np.concatenate(segments), np.concatenate(rgba), np.concatenate(widths)
         if seg.shape[0] > max_arcs:
-            keep = np.sort(np.argsort(-lw, kind="stable")[:max_arcs])  # the highest gates, in drawing order
+            keep = np.sort(np.argsort(-lw, kind="stable")[:max_arcs])  # the heaviest, in drawing order
             seg, col, lw = seg[keep], col[keep], lw[keep]
         ax.add_collection(LineCollection(seg, colors=col, linewidths=lw))
         span = max(span, float(np.abs(seg[..., 1]).max()))
-        legend = ax.legend(handles=handles, fontsize=7, ncol=2, title="gluing (above)" if side > 0 else
-                           "readout (below)", title_fontsize=7, loc="upper right" if side > 0 else "lower right")
+        legend = ax.legend(handles=handles, fontsize=7, ncol=2, title="between patches (above)" if side > 0 else
+                           "into outputs (below)", title_fontsize=7, loc="upper right" if side > 0 else "lower right")
         ax.add_artist(legend)
     ax.set_xlim(-1, n)
     ax.set_ylim(-span * 1.05, span * 1.05)
@@ -330,7 +376,7 @@ def plot_arcs(topology: Topology, data: HeteroData, path, tokenizer=None, max_ar
         ax.set_xticks(range(n), labels, fontsize=6, family="monospace")
     ax.set_yticks([])
     ax.set_xlabel("token position")
-    ax.set_title(title or "Topology over the text (colour: edge type; opacity and width: gate)")
+    ax.set_title(title or "Topology over the text (colour: edge type; opacity and width: weight)")
     save_figure(fig, path)
 
 
@@ -399,7 +445,8 @@ def _triangle_density(n: int, bins: int) -> np.ndarray:
 
 # ---------------------------------------------------------------- entry points
 
-def inspect_site(model_or_none, data: HeteroData, tokenizer, out_dir, hops: int = 3, top_k: int = 5) -> dict:
+def inspect_site(model_or_none, data: HeteroData, tokenizer, out_dir, hops: int = 3, top_k: int = 5,
+                 content_k: int = 10) -> dict:
     """Inspect the topology of a model (or the designed site) on one site; write every output.
 
     Writes to ``out_dir``: ``stats.json``, ``top_edges.txt``, ``topology.graphml``,
@@ -407,16 +454,17 @@ def inspect_site(model_or_none, data: HeteroData, tokenizer, out_dir, hops: int 
 
     Args:
         model_or_none: a model with ``topology(data)`` (``SheafStateLM``), or None
-            for the designed topology (candidate edges, gate 1, energy NaN).
+            for the designed topology (the site's rule edges, weight 1, energy NaN).
         data (HeteroData): the site.
         tokenizer: decodes token ids (None: :class:`ByteTokenizer`).
         out_dir: folder, created if need be.
         hops (int): H for the relation matrix (default: :obj:`3`).
         top_k (int): edges listed per type (default: :obj:`5`).
+        content_k (int): content-addressed edges listed (default: :obj:`10`).
 
     Returns:
-        dict: ``source``, ``num_tokens``, ``nodes``, ``edges``, ``totals``,
-        ``relations``, ``top_edges`` and ``files``.
+        dict: ``source``, ``num_tokens``, ``nodes``, ``edges`` (:func:`edge_stats`), ``totals``,
+        ``relations``, ``top_edges``, ``content_edges`` (:func:`content_edges`) and ``files``.
     """
     tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
     out = Path(out_dir)
@@ -438,6 +486,7 @@ def inspect_site(model_or_none, data: HeteroData, tokenizer, out_dir, hops: int 
         "edges": edges,
         "totals": {"kept": kept, "candidates": candidates, "kept_per_token": kept / max(n, 1)},
         "top_edges": top_edges(topology, data, tokenizer, top_k),
+        "content_edges": content_edges(topology, data, tokenizer, content_k),
         "files": {name: str(out / name) for name in ("stats.json", "top_edges.txt", "topology.graphml",
                                                       "topology.json", "arcs.png", "relations.png")},
     }
@@ -445,7 +494,7 @@ def inspect_site(model_or_none, data: HeteroData, tokenizer, out_dir, hops: int 
     write_graphml(graph, out / "topology.graphml")
     write_json(graph, out / "topology.json")
     plot_arcs(topology, data, out / "arcs.png", tokenizer,
-              title=f"{source} topology over {n} tokens (colour: edge type; opacity and width: gate)")
+              title=f"{source} topology over {n} tokens (colour: edge type; opacity and width: weight)")
     stats["relations"] = plot_relations(topology, data, out / "relations.png", hops)
     (out / "top_edges.txt").write_text(format_top_edges(stats["top_edges"]) + "\n")
     (out / "stats.json").write_text(json.dumps(stats, indent=2))
@@ -453,18 +502,23 @@ def inspect_site(model_or_none, data: HeteroData, tokenizer, out_dir, hops: int 
 
 
 def format_summary(stats: dict) -> str:
-    """A table of the statistics: per edge type kept / candidates, degree, gate and energy."""
+    """Per edge type candidates against kept edges, mean weight, in-degree and energy; then the
+    strongest content-addressed edges with their text."""
     lines = [f"{stats['source']} topology, {stats['num_tokens']} tokens: {stats['totals']['kept']:,} kept of "
              f"{stats['totals']['candidates']:,} candidate edges ({stats['totals']['kept_per_token']:.2f} per token); "
              f"{stats['relations']['relations']:,} relations at H = {stats['relations']['hops']} "
              f"({100 * (stats['relations']['fraction_of_dense'] or 0):.2f}% of dense)",
-             f"{'edge type':<36}{'kept':>8}{'cand.':>8}{'deg mean':>10}{'deg max':>9}{'gate':>7}{'energy':>9}"]
+             f"{'edge type':<36}{'cand.':>9}{'kept':>8}{'weight':>8}{'deg mean':>10}{'deg max':>9}{'energy':>9}"]
     for key, row in stats["edges"].items():
         if not row["candidates"] and not row["kept"]:
             continue
         fmt = lambda v, spec: "-" if v is None else format(v, spec)
-        lines.append(f"{key:<36}{row['kept']:>8}{row['candidates']:>8}{fmt(row['mean_in_degree'], '.2f'):>10}"
-                     f"{row['max_in_degree']:>9}{fmt(row['gate_mean'], '.3f'):>7}{fmt(row['energy_mean'], '.3g'):>9}")
+        lines.append(f"{key:<36}{row['candidates']:>9}{row['kept']:>8}{fmt(row['weight_mean'], '.3f'):>8}"
+                     f"{fmt(row['mean_in_degree'], '.2f'):>10}{row['max_in_degree']:>9}"
+                     f"{fmt(row['energy_mean'], '.3g'):>9}")
+    if stats["content_edges"]:
+        lines += ["", f"strongest content-addressed edges ({edge_key(CONTENT_EDGE)}):",
+                  *map(_format_edge, stats["content_edges"])]
     return "\n".join(lines)
 
 
