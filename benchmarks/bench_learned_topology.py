@@ -2,17 +2,18 @@
 
 ::
 
-    python benchmarks/bench_learned_topology.py [--steps 4500] [--n-train 524288] [--gate-penalty 0.01]
+    python benchmarks/bench_learned_topology.py [--steps 4500] [--n-train 524288] [--topology-k 2]
                                                 [--max-seconds 480] [--out benchmarks/results]
 
-Writes ``simulate_learned.json`` and ``simulate_learned.png`` (gate
-histograms by edge type, coverage and waste against the gate threshold,
-edges against n) into the project's recorded results (``benchmarks/results``
+Writes ``learned_topology.json`` and ``learned_topology.png`` (the
+per-destination AUCs by block, coverage and waste of each topology, edges
+against n) into the project's recorded results (``benchmarks/results``
 unless ``--out`` says otherwise) and prints the learned topology beside the
 designed site; the same as ``sheafgnn simulate --learned --out
-benchmarks/results``. Definitions (relations, coverage, waste, hops):
-:mod:`sheafgnn.relations`; the experiment:
-:func:`sheafgnn.experiments.learned_topology.run_learned`.
+benchmarks/results``. The JSON's keys are defined in
+:mod:`sheafgnn.experiments.learned_topology`; relations, coverage, waste and
+hops in :mod:`sheafgnn.relations`; AUC per destination and candidate recall
+in :mod:`sheafgnn.experiments.pool_scoring`.
 """
 
 import sys
