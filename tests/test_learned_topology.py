@@ -59,6 +59,7 @@ def test_auc_and_candidate_recall_of_a_tiny_run(learned):
     recall = learned["candidate_recall"]
     assert recall["dependencies"] == learned["deps"]["anchor"] + learned["deps"]["entity"]
     assert all(r <= recall["recall"] + 1e-12 for r in recall["per_block"])  # the union holds every block's pool
+    assert recall["proposals_only"] <= recall["recall"] + 1e-12
     for name in P.LONG_RANGE_TYPES:  # the pools hold every rule edge of the site: at least its coverage
         assert recall["by_type"][name] >= learned["designed"]["coverage_by_type"][name] - 1e-12
     assert recall["candidates"] > learned["learned"]["kept"]["kept_edges"]  # pools larger than what is kept
