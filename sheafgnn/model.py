@@ -79,6 +79,7 @@ class SheafStateConfig(ConfigFile):
     content_blocks: int = 2  # content-addressed blocks proposed per output (0: off)
     proposal_block: int = 16  # tokens per content block B
     random_proposals: int = 4  # seeded random past tokens proposed per output
+    pool_loss_weight: float = 1.0  # auxiliary next-token loss read from each block's whole pools (trains the choice)
     balance_weight: float = 1e-2  # weight of the experts' load-balancing loss
     num_topics: int = 64  # topic ids embedded (ids wrap modulo this)
     gluing: bool = True  # False: Phi + token feed-forward only (the ssm ablation)
@@ -90,6 +91,8 @@ class SheafStateConfig(ConfigFile):
         if self.d_model % self.stalk_dim != 0:
             raise ValueError(f"SheafStateConfig: stalk_dim must divide d_model "
                              f"(got {self.stalk_dim} and {self.d_model})")
+        if self.pool_loss_weight < 0:
+            raise ValueError(f"SheafStateConfig: pool_loss_weight must be >= 0 (got {self.pool_loss_weight})")
         if self.topology_k < 1 or self.proposal_block < 1 or min(self.content_blocks, self.random_proposals) < 0:
             raise ValueError(f"SheafStateConfig: need topology_k >= 1, proposal_block >= 1 and content_blocks, "
                              f"random_proposals >= 0 (got {self.topology_k}, {self.proposal_block}, "
@@ -222,6 +225,7 @@ class SheafStateLM(nn.Module):
         return torch.cat([tokens, *blocks])  # (N, D)
 
     def _forward(self, data: HeteroData, return_candidates: bool = False) -> tuple[Tensor, list[dict], FlatSite]:
+        """(output states (num_tokens, D), per-block infos, the flat site); R (:meth:`readout`) is left out."""
         self._check(data)
         x = data["token"].x
         if x.numel() and int(x.max()) >= self.config.vocab_size:
@@ -233,7 +237,7 @@ class SheafStateLM(nn.Module):
             h, info = block(h, site, return_candidates) if self.config.gluing else block(h, site)
             infos.append(info)
         h_out = h[site.block("output")] if self.config.gluing else h  # (num_tokens, D)
-        return self.readout(h_out), infos, site
+        return h_out, infos, site
 
     def readout(self, h_out: Tensor) -> Tensor:
         r"""R: next-token logits from the output states, tied to the token
@@ -246,16 +250,24 @@ class SheafStateLM(nn.Module):
         return self.norm_out(h_out) @ self.token_embedding.weight.T  # (num_tokens, V)
 
     def forward(self, data: HeteroData) -> Tensor:
-        return self._forward(data)[0]
+        return self.readout(self._forward(data)[0])
 
     def loss(self, data: HeteroData) -> Tensor:
-        """Mean next-token cross-entropy over ``data['token'].y`` plus the auxiliary losses."""
+        """Mean next-token cross-entropy over ``data['token'].y`` plus the auxiliary losses: the experts'
+        balance and, per block, the next-token loss of the output states plus that block's pool read
+        (:meth:`~sheafgnn.nn.topology.LearnedTopology._pool_read`; the states are detached, so this
+        loss trains the choice of edges, not the rest of the model)."""
         if "y" not in data["token"]:
             raise ValueError("SheafStateLM.loss: the site has no targets data['token'].y")
-        logits, infos, _ = self._forward(data)
-        loss = F.cross_entropy(logits, data["token"].y, ignore_index=-100)
+        h_out, infos, _ = self._forward(data)
+        y = data["token"].y
+        loss = F.cross_entropy(self.readout(h_out), y, ignore_index=-100)
         for info in infos:
             loss = loss + self.config.balance_weight * info["balance"]
+            pool_read = info["selection"].pool_read if "selection" in info else None
+            if pool_read is not None and self.config.pool_loss_weight:
+                pool_logits = self.readout(h_out.detach() + pool_read)  # (num_tokens, V)
+                loss = loss + self.config.pool_loss_weight * F.cross_entropy(pool_logits, y, ignore_index=-100)
         return loss
 
     @torch.no_grad()

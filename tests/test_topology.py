@@ -168,3 +168,28 @@ def test_topology_input_and_repr(full_config):
                          "block_size=16, random_proposals=4)")
     with pytest.raises(ValueError, match="k, rank and block_size"):
         LearnedTopology(32, 3, 2, k=0)
+
+
+def test_pool_read_trains_the_choice_in_training_only(full_config):
+    """The pool read (an auxiliary loss over every candidate) reaches the scores of candidates the
+    top-k did not keep; it exists in training mode only and never changes the logits."""
+    torch.manual_seed(0)
+    model = SheafStateLM(small_model_config(full_config, topology_k=1))
+    data = build_site(PROSE, model.config.site_config)
+    data["token"].y = torch.roll(data["token"].x, -1)
+    with torch.no_grad():
+        logits_train = model(data)
+    sel, _ = _selection(model, data)  # eval mode
+    assert sel.pool_read is None
+    assert torch.allclose(model(data), logits_train)  # the pool read is not on the output path
+    model.train()
+    model.config.pool_loss_weight = 0.0
+    model.loss(data).backward()
+    topo = model.blocks[0].topology
+    assert topo.value.weight.grad is None  # off: no pool read in the loss
+    model.zero_grad()
+    model.config.pool_loss_weight = 1.0
+    model.loss(data).backward()
+    assert topo.value.weight.grad.abs().sum() > 0 and topo.value_out.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="pool_loss_weight"):
+        small_model_config(full_config, pool_loss_weight=-1.0)

@@ -177,6 +177,7 @@ class Selection:
     ptr: Tensor  # (N + 1,) destination CSR pointer of the kept edges
     num_candidates: Tensor  # (num_edge_types,) candidates in the pools, per edge type
     candidates: tuple[Tensor, Tensor, Tensor] | None = None  # pools: (2, C) index, (C,) type, (C,) score
+    pool_read: Tensor | None = None  # (num_outputs, D) soft read of every output's whole pool (training only)
 
 
 @dataclass
@@ -245,6 +246,8 @@ class LearnedTopology(nn.Module):
         self.query = nn.Linear(channels, rank, bias=False)
         self.key = nn.Linear(channels, rank, bias=False)
         self.key_previous = nn.Linear(channels, rank, bias=False)  # a token's key also sees the token before it
+        self.value = nn.Linear(channels, rank, bias=False)  # the pool read (training only, see _pool_read)
+        self.value_out = nn.Linear(rank, channels, bias=False)
         self.type_bias = nn.Parameter(torch.empty(num_edge_types))
         self.sink = nn.Parameter(torch.empty(num_node_types))
         self.random_scores = False  # the random-score ablation (evaluation only)
@@ -254,6 +257,8 @@ class LearnedTopology(nn.Module):
         self.query.reset_parameters()
         self.key.reset_parameters()
         self.key_previous.reset_parameters()
+        self.value.reset_parameters()
+        self.value_out.reset_parameters()
         nn.init.zeros_(self.type_bias)
         nn.init.zeros_(self.sink)
 
@@ -314,7 +319,7 @@ class LearnedTopology(nn.Module):
             types.append(torch.full_like(tokens, self.random_type))
         return torch.cat([*sources, rule_sources], 1), torch.cat([*types, rule_types], 1)
 
-    def _output_selection(self, q: Tensor, k: Tensor, inp: TopologyInput, return_candidates: bool):
+    def _output_selection(self, x: Tensor, q: Tensor, k: Tensor, inp: TopologyInput, return_candidates: bool):
         """Every output's pool (rules, content, random) in one dense (num_out, P) competition."""
         out0 = inp.outputs.start
         q_out = q[inp.outputs]  # (num_out, r)
@@ -331,11 +336,25 @@ class LearnedTopology(nn.Module):
         dst = torch.arange(out0, out0 + q_out.size(0), device=q.device).unsqueeze(1).expand_as(top)
         src, edge_type = sources.gather(1, pick), types.gather(1, pick)
         kept_edges = (src[kept], dst[kept], edge_type[kept], weight[kept], top[kept])
+        pool_read = self._pool_read(x, score, sink, sources) if self.training else None
         pool = None
         if return_candidates:
             all_dst = torch.arange(out0, out0 + q_out.size(0), device=q.device).unsqueeze(1).expand_as(sources)
             pool = (torch.stack([sources[valid], all_dst[valid]]), types[valid], score[valid])
-        return kept_edges, pool
+        return kept_edges, pool, pool_read
+
+    def _pool_read(self, x: Tensor, score: Tensor, sink: Tensor, sources: Tensor) -> Tensor:
+        r"""(num_out, D) the softmax-weighted low-rank read of every output's *whole* pool,
+        :math:`\mathbf{W}_o \sum_{u \in P(v)} \mathrm{softmax}(s)_u \mathbf{W}_v \mathbf{x}_u`.
+
+        It feeds an auxiliary next-token loss only (``SheafStateConfig.pool_loss_weight``), never the
+        model's output: through it every candidate's score gets a gradient, not only the k kept ones
+        (a hard top-k passes none to the rest), so the choice learns which candidates carry what the
+        prediction needs (the role of NSA's compressed branch). O(n P r), like the scoring.
+        """
+        weight = torch.cat([score, sink], 1).softmax(1)[:, :-1]  # (num_out, P): -inf (padding) -> 0
+        values = self.value(x)[sources.clamp(min=0)]  # (num_out, P, r)
+        return self.value_out((weight.unsqueeze(-1) * values).sum(1))  # (num_out, D)
 
     def _keys(self, x: Tensor, inp: TopologyInput) -> Tensor:
         """(N, r) keys; a token's key adds the projection of the token before it (zero at a graph's start),
@@ -349,7 +368,7 @@ class LearnedTopology(nn.Module):
     def forward(self, x: Tensor, inp: TopologyInput, return_candidates: bool = False) -> Selection:
         q, k = self.query(x), self._keys(x, inp)  # (N, r) each
         patch, patch_pool = self._patch_selection(q, k, inp, return_candidates)
-        output, output_pool = self._output_selection(q, k, inp, return_candidates)
+        output, output_pool, pool_read = self._output_selection(x, q, k, inp, return_candidates)
         src, dst, edge_type, weight, score = (torch.cat([a, b]) for a, b in zip(patch, output))
         ptr = ptr_from_index(dst, x.size(0))
         num_candidates = torch.bincount(inp.rule_type, minlength=self.num_edge_types)
@@ -358,7 +377,8 @@ class LearnedTopology(nn.Module):
         candidates = None
         if return_candidates:
             candidates = tuple(torch.cat([a, b], -1) for a, b in zip(patch_pool, output_pool))
-        return Selection(torch.stack([src, dst]), edge_type, weight, score, ptr, num_candidates, candidates)
+        return Selection(torch.stack([src, dst]), edge_type, weight, score, ptr, num_candidates, candidates,
+                         pool_read)
 
     def _proposal_counts(self, inp: TopologyInput) -> Tensor:
         """Content and random candidates in the pools, counted from positions (no scores needed)."""
