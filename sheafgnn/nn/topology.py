@@ -246,8 +246,6 @@ class LearnedTopology(nn.Module):
         self.query = nn.Linear(channels, rank, bias=False)
         self.key = nn.Linear(channels, rank, bias=False)
         self.key_previous = nn.Linear(channels, rank, bias=False)  # a token's key also sees the token before it
-        self.value = nn.Linear(channels, rank, bias=False)  # the pool read (training only, see _pool_read)
-        self.value_out = nn.Linear(rank, channels, bias=False)
         self.type_bias = nn.Parameter(torch.empty(num_edge_types))
         self.sink = nn.Parameter(torch.empty(num_node_types))
         self.random_scores = False  # the random-score ablation (evaluation only)
@@ -257,8 +255,6 @@ class LearnedTopology(nn.Module):
         self.query.reset_parameters()
         self.key.reset_parameters()
         self.key_previous.reset_parameters()
-        self.value.reset_parameters()
-        self.value_out.reset_parameters()
         nn.init.zeros_(self.type_bias)
         nn.init.zeros_(self.sink)
 
@@ -344,17 +340,18 @@ class LearnedTopology(nn.Module):
         return kept_edges, pool, pool_read
 
     def _pool_read(self, x: Tensor, score: Tensor, sink: Tensor, sources: Tensor) -> Tensor:
-        r"""(num_out, D) the softmax-weighted low-rank read of every output's *whole* pool,
-        :math:`\mathbf{W}_o \sum_{u \in P(v)} \mathrm{softmax}(s)_u \mathbf{W}_v \mathbf{x}_u`.
+        r"""(num_out, D) the softmax-weighted read of every output's *whole* pool,
+        :math:`\sum_{u \in P(v)} \mathrm{softmax}(s)_u \, \mathrm{sg}(\mathbf{x}_u)`.
 
         It feeds an auxiliary next-token loss only (``SheafStateConfig.pool_loss_weight``), never the
         model's output: through it every candidate's score gets a gradient, not only the k kept ones
         (a hard top-k passes none to the rest), so the choice learns which candidates carry what the
-        prediction needs (the role of NSA's compressed branch). O(n P r), like the scoring.
+        prediction needs (the role of NSA's compressed branch). The states are read as they are
+        (stop-gradient, no projection): a candidate whose state holds the next token is rewarded from
+        the first step. O(n P D) in training, nothing at evaluation.
         """
         weight = torch.cat([score, sink], 1).softmax(1)[:, :-1]  # (num_out, P): -inf (padding) -> 0
-        values = self.value(x)[sources.clamp(min=0)]  # (num_out, P, r)
-        return self.value_out((weight.unsqueeze(-1) * values).sum(1))  # (num_out, D)
+        return (weight.unsqueeze(-1) * x.detach()[sources.clamp(min=0)]).sum(1)  # (num_out, D)
 
     def _keys(self, x: Tensor, inp: TopologyInput) -> Tensor:
         """(N, r) keys; a token's key adds the projection of the token before it (zero at a graph's start),
