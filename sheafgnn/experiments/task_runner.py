@@ -495,18 +495,34 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def curve_figure(reports: list[dict]):
+    """Accuracy against training steps, one panel per task, one line per model and run: the runs of
+    ``reports`` (``tasks.json`` contents) drawn together, so that runs with and without the hash
+    rule share a figure."""
+    plt = pyplot()
+    tasks = list(dict.fromkeys(task for report in reports for task in report["tasks"]))
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 3.6), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        for report in (rep for rep in reports if task in rep["tasks"]):
+            r = report["tasks"][task]
+            for kind, m in r["models"].items():
+                hashed = kind == "sheaf" and report["config"]["hash_retrieval"]
+                label = f"{kind} (hash retrieval)" if hashed else kind
+                ax.plot([p["step"] for p in m["curve"]], [p["accuracy"] for p in m["curve"]], "o-", ms=3,
+                        label=label)
+        ax.axhline(THRESHOLD, color="grey", ls=":", lw=1)
+        train_len = reports[0]["tasks"][task]["train_len"] if task in reports[0]["tasks"] else ""
+        ax.set(xlabel="training steps", ylabel=f"accuracy @{train_len}", title=task, ylim=(-0.02, 1.02))
+        ax.legend()
+    return fig
+
+
 def _figures(report: dict) -> dict:
     """The report's figures by file name: curves.png (accuracy against training steps, per task and
     model) and induction.png (accuracy against test length), when run."""
     plt = pyplot()
     tasks = report["tasks"]
-    fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 3.6), squeeze=False)
-    for ax, (task, r) in zip(axes[0], tasks.items()):
-        for kind, m in r["models"].items():
-            ax.plot([p["step"] for p in m["curve"]], [p["accuracy"] for p in m["curve"]], "o-", ms=3, label=kind)
-        ax.axhline(THRESHOLD, color="grey", ls=":", lw=1)
-        ax.set(xlabel="training steps", ylabel=f"accuracy @{r['train_len']}", title=task, ylim=(-0.02, 1.02))
-        ax.legend()
+    fig = curve_figure([report])
     figures = {"curves.png": fig}
     if "induction_heads" not in tasks:
         return figures
