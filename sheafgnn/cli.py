@@ -116,7 +116,7 @@ def _build(args: argparse.Namespace) -> int:
 
 def load_model(path: str | Path):
     """A model from a training run (its out_dir or a checkpoint step folder) or an untrained one
-    from a SheafStateConfig file (.yaml, .toml, .json). Returns ``(model, tokenizer)``."""
+    from a SheafStateConfig or a sheaf TrainConfig file (.yaml, .toml, .json). Returns ``(model, tokenizer)``."""
     from sheafgnn import checkpoint as ckpt
     from sheafgnn.lm import build_model
     from sheafgnn.model import SheafStateConfig, SheafStateLM
@@ -126,7 +126,17 @@ def load_model(path: str | Path):
     path = Path(path)
     if path.is_file():
         torch.manual_seed(0)
-        return SheafStateLM(SheafStateConfig.load(path)).eval(), ByteTokenizer()
+        try:
+            return SheafStateLM(SheafStateConfig.load(path)).eval(), ByteTokenizer()
+        except ValueError as err:  # not a SheafStateConfig: a training config (configs/sheaf.yaml)?
+            try:
+                config = TrainConfig.load(path)
+            except ValueError:
+                raise err from None
+        if config.model != "sheaf" or config.tokenizer != "byte":
+            raise ValueError(f"{path}: an untrained model needs a sheaf model on the byte tokenizer "
+                             f"(got model {config.model!r}, tokenizer {config.tokenizer!r}); pass a trained run")
+        return build_model("sheaf", config.model_config, 256, config.site).eval(), ByteTokenizer()
     if not path.is_dir():
         raise ValueError(f"no checkpoint folder or config file at {path}")
     step = path

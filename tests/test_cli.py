@@ -157,6 +157,12 @@ def test_inspect_from_config_and_from_a_training_run(tmp_path, capsys):
     assert main(["inspect", str(run_dir), "--text", str(text), "--out", str(tmp_path / "b")]) == 0
     assert "wrote" in capsys.readouterr().out
 
+    # a shipped training config: its sheaf model, untrained; a dense config is refused in one line
+    model, _ = load_model(CONFIGS / "sheaf.yaml")
+    assert isinstance(model, SheafStateLM) and model.config.d_model == 128
+    assert main(["inspect", str(CONFIGS / "dense.yaml"), "--text", str(text)]) == 2
+    assert "needs a sheaf model" in capsys.readouterr().err
+
 
 # ---------------------------------------------------------------------------
 # Bad input: one line on stderr, exit status 2, for every command
