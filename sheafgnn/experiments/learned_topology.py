@@ -249,12 +249,14 @@ def waste_of_selection(row: dict, fixed: dict) -> float | None:
 
 
 def learned_model_config(d_model: int = 32, n_layers: int = 2, topology_k: int = 2,
-                         site_config: SiteConfig | None = None) -> SheafStateConfig:
+                         site_config: SiteConfig | None = None, model_set: tuple[str, ...] = ()) -> SheafStateConfig:
     """A small :class:`~sheafgnn.model.SheafStateConfig` for the learned-topology run; the pools
-    (content blocks, block size, random proposals, scorer rank) keep the config's defaults."""
+    (content blocks, block size, random proposals, scorer rank) keep the config's defaults unless
+    ``model_set`` (``KEY=VALUE`` assignments, :meth:`~sheafgnn.config.ConfigFile.with_overrides`)
+    changes them, e.g. ``("pool_loss_weight=0",)``."""
     site_config = site_config if site_config is not None else matched_site_config()
     return SheafStateConfig(d_model=d_model, n_layers=n_layers, stalk_dim=4, d_state=16, headdim=16,
-                            topology_k=topology_k, site=site_config.to_dict())
+                            topology_k=topology_k, site=site_config.to_dict()).with_overrides(model_set)
 
 
 def train_learned(model: SheafStateLM, sequences: Tensor | list[Tensor], site_config: SiteConfig, steps: int,
@@ -307,7 +309,8 @@ def train_learned(model: SheafStateLM, sequences: Tensor | list[Tensor], site_co
 
 def run_learned(n_train: int = 1 << 19, n_eval: int = 32768, steps: int = 4500, seed: int = 0,
                 window: int = 1024, batch: int = 1, lr: float = 5e-3, d_model: int = 32, n_layers: int = 2,
-                topology_k: int = 2, hops: int = 3, thresholds: tuple[float, ...] = WEIGHT_THRESHOLDS,
+                topology_k: int = 2, model_set: tuple[str, ...] = (), hops: int = 3,
+                thresholds: tuple[float, ...] = WEIGHT_THRESHOLDS,
                 growth_ns: tuple[int, ...] = tuple(2**k for k in range(12, 17)),
                 max_seconds: float | None = None, config: GeneratorConfig | None = None,
                 site_config: SiteConfig | None = None, log_every: int = 50, verbose: bool = False) -> dict:
@@ -329,6 +332,7 @@ def run_learned(n_train: int = 1 << 19, n_eval: int = 32768, steps: int = 4500, 
         lr (float): peak AdamW learning rate; 5% warm-up, cosine to lr / 10 (default: :obj:`5e-3`).
         d_model, n_layers, topology_k (int): the model (:func:`learned_model_config`; default:
             :obj:`32`, :obj:`2`, :obj:`2`).
+        model_set (tuple): further ``KEY=VALUE`` fields of the model's config (default: none).
         hops (int): H of the relations (default: :obj:`3`, one block).
         thresholds (tuple): softmax-weight thresholds of the ``learned`` rows (default:
             :data:`WEIGHT_THRESHOLDS`).
@@ -344,7 +348,7 @@ def run_learned(n_train: int = 1 << 19, n_eval: int = 32768, steps: int = 4500, 
     start_all = time.perf_counter()
     site_config = site_config if site_config is not None else matched_site_config()
     torch.manual_seed(seed)
-    model_config = learned_model_config(d_model, n_layers, topology_k, site_config)
+    model_config = learned_model_config(d_model, n_layers, topology_k, site_config, model_set)
     model = SheafStateLM(model_config)
     train_ids = [generate(window + 1, 1_000_003 * (seed + 1) + i, config).ids
                  for i in range(max(1, n_train // (window + 1)))]
@@ -547,6 +551,7 @@ def main_learned(args: argparse.Namespace, out: Path) -> int:
         torch.set_num_threads(args.threads)
     result = run_learned(n_train=args.n_train, n_eval=args.n, steps=args.steps, seed=args.seed, hops=args.hops,
                          window=args.train_window, lr=args.lr, topology_k=args.topology_k,
+                         model_set=tuple(args.model_set),
                          max_seconds=args.max_seconds, verbose=True)
     print(format_learned(result))
     write_json(out / "learned_topology.json", result)

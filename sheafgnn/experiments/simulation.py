@@ -214,6 +214,8 @@ def parse_simulate_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="--learned: tokens per window (default: 1024)")
     parser.add_argument("--topology-k", type=at_least(1), default=2,
                         help="--learned: gluing edges kept per destination (default: 2)")
+    parser.add_argument("--set", dest="model_set", action="append", default=[], metavar="KEY=VALUE",
+                        help="--learned: a field of the model's SheafStateConfig, e.g. pool_loss_weight=0")
     parser.add_argument("--max-seconds", type=float, default=None, help="--learned: stop training after this long")
     parser.add_argument("--threads", type=at_least(0), default=1,
                         help="--learned: torch threads (default: 1, the model is tiny; 0: torch's default)")
