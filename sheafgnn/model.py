@@ -234,7 +234,7 @@ class SheafStateLM(nn.Module):
         h = self._embed(data, site)  # (N, D), or (num_tokens, D) without gluing
         infos = []
         for block in self.blocks:
-            h, info = block(h, site, return_candidates) if self.config.gluing else block(h, site)
+            h, info = block(h, site, return_candidates)
             infos.append(info)
         h_out = h[site.block("output")] if self.config.gluing else h  # (num_tokens, D)
         return h_out, infos, site

@@ -277,7 +277,7 @@ class LearnedTopology(nn.Module):
         logits = torch.cat([kept_score, self.sink[inp.node_type[:num_dst]]])
         weight = segment_softmax(logits, torch.cat([dst, sink_index]), num_nodes=num_dst)[: dst.numel()]
         pool = (inp.rule_index[:, :stop], inp.rule_type[:stop], score) if return_candidates else None
-        return (src, dst, edge_type, weight, kept_score), pool
+        return (src, dst, edge_type, weight, kept_score), pool, inp.rule_type[:stop]
 
     def _output_pool(self, q_out: Tensor, k: Tensor, inp: TopologyInput) -> tuple[Tensor, Tensor]:
         """(num_out, P) candidate sources of every output (-1: padding) and their edge types."""
@@ -329,15 +329,14 @@ class LearnedTopology(nn.Module):
         sink = self.sink[inp.node_type[inp.outputs]].unsqueeze(1)  # (num_out, 1)
         weight = torch.cat([top, sink], 1).softmax(1)[:, :-1]  # (num_out, k): -inf -> 0
         kept = torch.isfinite(top)
-        dst = torch.arange(out0, out0 + q_out.size(0), device=q.device).unsqueeze(1).expand_as(top)
+        dst = torch.arange(out0, out0 + q_out.size(0), device=q.device).unsqueeze(1)  # (num_out, 1)
         src, edge_type = sources.gather(1, pick), types.gather(1, pick)
-        kept_edges = (src[kept], dst[kept], edge_type[kept], weight[kept], top[kept])
+        kept_edges = (src[kept], dst.expand_as(top)[kept], edge_type[kept], weight[kept], top[kept])
         pool_read = self._pool_read(x, score, sink, sources) if self.training else None
         pool = None
         if return_candidates:
-            all_dst = torch.arange(out0, out0 + q_out.size(0), device=q.device).unsqueeze(1).expand_as(sources)
-            pool = (torch.stack([sources[valid], all_dst[valid]]), types[valid], score[valid])
-        return kept_edges, pool, pool_read
+            pool = (torch.stack([sources[valid], dst.expand_as(sources)[valid]]), types[valid], score[valid])
+        return kept_edges, pool, types[valid], pool_read
 
     def _pool_read(self, x: Tensor, score: Tensor, sink: Tensor, sources: Tensor) -> Tensor:
         r"""(num_out, D) the softmax-weighted read of every output's *whole* pool,
@@ -364,27 +363,16 @@ class LearnedTopology(nn.Module):
 
     def forward(self, x: Tensor, inp: TopologyInput, return_candidates: bool = False) -> Selection:
         q, k = self.query(x), self._keys(x, inp)  # (N, r) each
-        patch, patch_pool = self._patch_selection(q, k, inp, return_candidates)
-        output, output_pool, pool_read = self._output_selection(x, q, k, inp, return_candidates)
+        patch, patch_pool, patch_types = self._patch_selection(q, k, inp, return_candidates)
+        output, output_pool, output_types, pool_read = self._output_selection(x, q, k, inp, return_candidates)
         src, dst, edge_type, weight, score = (torch.cat([a, b]) for a, b in zip(patch, output))
         ptr = ptr_from_index(dst, x.size(0))
-        num_candidates = torch.bincount(inp.rule_type, minlength=self.num_edge_types)
-        if self.content_blocks or self.random_proposals:
-            num_candidates = num_candidates + self._proposal_counts(inp)
+        num_candidates = torch.bincount(torch.cat([patch_types, output_types]), minlength=self.num_edge_types)
         candidates = None
         if return_candidates:
             candidates = tuple(torch.cat([a, b], -1) for a, b in zip(patch_pool, output_pool))
         return Selection(torch.stack([src, dst]), edge_type, weight, score, ptr, num_candidates, candidates,
                          pool_read)
-
-    def _proposal_counts(self, inp: TopologyInput) -> Tensor:
-        """Content and random candidates in the pools, counted from positions (no scores needed)."""
-        counts = torch.zeros(self.num_edge_types, dtype=torch.long, device=inp.token_pos.device)
-        full_blocks = (inp.token_pos // self.block_size).clamp(max=self.content_blocks)
-        recent = inp.token_pos % self.block_size + 1
-        counts[self.content_type] = int(full_blocks.sum()) * self.block_size + int(recent.sum())
-        counts[self.random_type] = inp.token_pos.numel() * self.random_proposals
-        return counts
 
     def __repr__(self) -> str:
         return (f"{self.__class__.__name__}({self.channels}, num_edge_types={self.num_edge_types}, k={self.k}, "
