@@ -134,7 +134,7 @@ def test_curve_and_summary_rows(tmp_path):
     curve = report["tasks"]["mqar"]["models"]["sheaf"]["curve"]
     assert [p["step"] for p in curve] == [2, 4] and all(0 <= p["accuracy"] <= 1 for p in curve)
     rows = json.loads(summary.read_text())
-    assert rows == json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert rows == json.loads((tmp_path / "a" / "tasks.json").read_text())["summary"]
     assert len(rows) == 2 * 1 + 2 * 2  # mqar at its length, induction at two lengths, for two models
     mqar_sheaf = next(r for r in rows if r["task"] == "mqar" and r["model"] == "sheaf")
     assert mqar_sheaf == {"task": "mqar", "seq_len": 64, "train_len": 64, "pairs": 4, "vocab": 64, "model": "sheaf",

@@ -14,7 +14,7 @@ r"""``sheafgnn tasks``: the structured dependency tasks for sheaf, dense, local 
           evaluate       accuracy on the scored positions of held-out rows (another seed),
                          induction heads at every length of induction_test_lens
           (every eval_every steps also at the training length: the accuracy curve)
-      -> out_dir/tasks.json  tasks.md  summary.json  curves.png  induction.png
+      -> out_dir/tasks.json (its "summary": the rows)  tasks.md  curves.png  induction.png
          summary rows merged into --summary FILE (one row per task, length, model, hash rule)
 
 Sizes (defaults; all are flags). MQAR at the issue's CPU size: sequence 256,
@@ -377,8 +377,6 @@ def run_tasks(config: TasksConfig) -> dict:
               "threads": torch.get_num_threads()}
     report["summary"] = summary_rows(report)
     report["files"] = write_report(report, out, "tasks", markdown(report), _figures(report))
-    write_json(out / "summary.json", report["summary"])
-    report["files"].append("summary.json")
     if config.summary:
         merge_summary(Path(config.summary), report["summary"])
     print("\n" + markdown(report))
