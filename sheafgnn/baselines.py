@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from sheafgnn.generation import TokenStream
+
 
 @dataclass
 class TransformerConfig:
@@ -55,15 +57,27 @@ class TransformerConfig:
 # ---------------------------------------------------------------------------
 
 
-def rope_cos_sin(seq_len: int, head_dim: int, base: float, device: torch.device) -> tuple[Tensor, Tensor]:
-    """Cosine and sine tables for RoPE, each of shape (T, head_dim // 2), float32."""
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.arange(seq_len, device=device, dtype=torch.float32)[:, None] * inv_freq  # (T, D/2)
+def rope_at(positions: Tensor, head_dim: int, base: float) -> tuple[Tensor, Tensor]:
+    """Cosine and sine of the RoPE angles at integer ``positions`` (any shape).
+
+    Each has shape (*positions.shape, head_dim // 2), float32.
+    """
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = positions.to(torch.float32)[..., None] * inv_freq  # (..., D/2)
     return angles.cos(), angles.sin()
 
 
+def rope_cos_sin(seq_len: int, head_dim: int, base: float, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Cosine and sine tables for RoPE at positions 0..T-1, each of shape (T, head_dim // 2), float32."""
+    return rope_at(torch.arange(seq_len, device=device), head_dim, base)
+
+
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate channel pairs (i, i + D/2) of ``x`` (B, H, T, D) by the position angle."""
+    """Rotate channel pairs (i, i + D/2) of ``x`` (B, H, T, D) by the position angle.
+
+    ``cos`` and ``sin`` broadcast against (B, H, T, D/2): (T, D/2) for shared
+    positions, (B, 1, T, D/2) for per-sequence positions.
+    """
     x1, x2 = x.float().chunk(2, dim=-1)  # (B, H, T, D/2) each
     out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)  # (B, H, T, D)
     return out.to(x.dtype)
@@ -135,8 +149,17 @@ def band_attention_reference(q: Tensor, k: Tensor, v: Tensor, window: int | None
 # ---------------------------------------------------------------------------
 
 
+# attend(q, k, v) -> y, all (B, H, T, D): the attention of one layer; None means causal over the input itself.
+Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention with RoPE; dense or sliding-window."""
+    """Multi-head causal self-attention with RoPE; dense or sliding-window.
+
+    ``forward(x, cos, sin, attend)``: the projections and RoPE are always these;
+    ``attend`` replaces the attention over ``x`` itself (a KV cache's, see
+    :class:`TransformerStream`).
+    """
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
@@ -147,15 +170,18 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
         self.resid_drop = nn.Dropout(config.dropout)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def attend_self(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Causal (dense or windowed) attention of the T positions among themselves, (B, H, T, D) each."""
+        p = self.dropout if self.training else 0.0
+        if self.window is None or self.window >= q.shape[-2]:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # (B, H, T, D)
+        return local_attention(q, k, v, self.window, dropout_p=p)  # (B, H, T, D)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend | None = None) -> Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, C // self.n_heads).permute(2, 0, 3, 1, 4)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (B, H, T, D)
-        p = self.dropout if self.training else 0.0
-        if self.window is None or self.window >= T:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # (B, H, T, D)
-        else:
-            y = local_attention(q, k, v, self.window, dropout_p=p)  # (B, H, T, D)
+        y = (attend or self.attend_self)(q, k, v)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
         return self.resid_drop(self.proj(y))
 
@@ -183,8 +209,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.d_model, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x = x + self.attn(self.ln_1(x), cos, sin)  # (B, T, C)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend | None = None) -> Tensor:
+        x = x + self.attn(self.ln_1(x), cos, sin, attend)  # (B, T, C)
         return x + self.mlp(self.ln_2(x))  # (B, T, C)
 
 
@@ -244,10 +270,24 @@ class CausalTransformer(nn.Module):
             raise ValueError(f"CausalTransformer: idx must have shape (B, T) (got {tuple(idx.shape)})")
         T = idx.shape[1]
         cos, sin = rope_cos_sin(T, self.config.d_model // self.config.n_heads, self.config.rope_base, idx.device)
+        return self.run(idx, cos, sin)  # (B, T, V)
+
+    def run(self, idx: Tensor, cos: Tensor, sin: Tensor,
+            attend: Callable[[int], Attend] | None = None) -> Tensor:
+        """The network on ``idx`` with given RoPE tables; ``attend(layer)`` gives each layer's attention
+        (default: causal over ``idx`` itself). Shapes: idx (B, T) -> logits (B, T, V)."""
         x = self.drop(self.wte(idx))  # (B, T, C)
-        for block in self.blocks:
-            x = block(x, cos, sin)  # (B, T, C)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, None if attend is None else attend(i))  # (B, T, C)
         return self.lm_head(self.ln_f(x))  # (B, T, V)
+
+    def stream(self, batch_size: int = 1) -> TransformerStream:
+        """A :class:`TransformerStream` (KV cache) of ``batch_size`` sequences for generation.
+
+        Create it after moving the model to its device and dtype, and use
+        eval mode (dropout would make the stream differ from the forward).
+        """
+        return TransformerStream(self, batch_size)
 
     def loss(self, idx: Tensor, targets: Tensor) -> Tensor:
         """Mean next-token cross-entropy; targets equal to -100 are ignored.
@@ -256,6 +296,116 @@ class CausalTransformer(nn.Module):
         """
         logits = self(idx)  # (B, T, V)
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+
+
+# ---------------------------------------------------------------------------
+# Streaming generation: a KV cache
+# ---------------------------------------------------------------------------
+
+
+class TransformerStream(TokenStream):
+    r"""KV-cache stream of a :class:`CausalTransformer` (see :class:`~sheafgnn.generation.TokenStream`).
+
+    Every layer keeps the keys (RoPE applied at their absolute positions) and
+    values of the fed positions in a buffer (B, H, S, D), so a step costs one
+    position's projections plus attention over the buffer. Slot ``s`` of
+    stream ``b`` holds position ``slot_pos[b, s]`` (-1: empty).
+
+    - dense: slot = position; the buffer doubles when full (amortised O(1)
+      per token, O(T) memory).
+    - local (window w): a ring of ``w + chunk - 1`` slots, slot = position mod
+      size, so memory is O(w) however long the stream grows.
+
+    A fed chunk is processed in pieces of at most ``chunk`` tokens (w rounded
+    up to 64 for local, 1024 for dense), each through the model's own blocks
+    with one masked attention of the piece's queries against the buffer; the
+    B streams are padded to the longest piece and masked per stream, so a
+    batch gives the logits of the streams run one at a time.
+
+    Args:
+        model (CausalTransformer): the model, already on its device and dtype.
+        batch_size (int, optional): the number of streams B. (default: :obj:`1`)
+
+    Shapes:
+        - **cache:** per layer keys and values (B, H, S, D), positions (B, S)
+    """
+
+    def __init__(self, model: CausalTransformer, batch_size: int = 1) -> None:
+        super().__init__(batch_size, model.config.vocab_size)
+        c = model.config
+        self.model = model
+        self.window = c.window
+        self.chunk = 1024 if c.window is None else max(c.window, 64)
+        weight = model.wte.weight
+        self._shape = (c.n_heads, c.d_model // c.n_heads)  # H, D
+        size = 256 if c.window is None else c.window + self.chunk - 1
+        self._keys = [weight.new_zeros(batch_size, *self._shape[:1], size, self._shape[1]) for _ in model.blocks]
+        self._values = [torch.zeros_like(k) for k in self._keys]
+        self.slot_pos = torch.full((batch_size, size), -1, dtype=torch.long, device=weight.device)  # (B, S)
+        self.positions = torch.zeros(batch_size, dtype=torch.long, device=weight.device)  # (B,) tokens cached
+
+    def _grow(self, needed: int) -> None:
+        """Dense only: at least ``needed`` slots, doubling (one copy per doubling)."""
+        size = self.slot_pos.shape[1]
+        if needed <= size:
+            return
+        new = max(needed, 2 * size)
+        for cache in (self._keys, self._values):
+            for i, old in enumerate(cache):
+                cache[i] = old.new_zeros(*old.shape[:2], new, old.shape[3])
+                cache[i][:, :, :size] = old
+        slot_pos = self.slot_pos.new_full((self.batch_size, new), -1)
+        slot_pos[:, :size] = self.slot_pos
+        self.slot_pos = slot_pos
+
+    def _feed(self, ids: list[Tensor]) -> list[Tensor]:
+        ids = [x.to(self.slot_pos.device) for x in ids]
+        rows: list[list[Tensor]] = [[] for _ in ids]
+        for start in range(0, max(x.numel() for x in ids), self.chunk):
+            piece = [x[start : start + self.chunk] for x in ids]
+            logits = self._feed_piece(piece)  # (B, N, V)
+            for b, x in enumerate(piece):
+                rows[b].append(logits[b, : x.numel()])  # (n_b, V)
+        return [torch.cat(r) if r else self._keys[0].new_zeros(0, self.vocab_size) for r in rows]
+
+    def _feed_piece(self, ids: list[Tensor]) -> Tensor:
+        """One piece (<= chunk ids per stream) through the model against the cache; logits (B, N, V)."""
+        device = self.slot_pos.device
+        lengths = torch.tensor([x.numel() for x in ids], device=device)  # (B,)
+        N = int(lengths.max())
+        start = self.positions  # (B,) the first position of the piece
+        offset = torch.arange(N, device=device)  # (N,)
+        qpos = start[:, None] + offset  # (B, N) absolute positions of the queries
+        valid = offset < lengths[:, None]  # (B, N) real (not padding) queries
+        if self.window is None:
+            self._grow(int((start + lengths).max()))
+            span = int((start + lengths).max())  # dense: slots 0..span-1 are the positions so far
+        else:
+            span = self.slot_pos.shape[1]
+        b_idx, i_idx = valid.nonzero(as_tuple=True)  # (M,), (M,) the real queries
+        slot = qpos[b_idx, i_idx] % self.slot_pos.shape[1]  # (M,) dense: the position itself
+        self.slot_pos[b_idx, slot] = qpos[b_idx, i_idx]
+        kpos = self.slot_pos[:, None, :span]  # (B, 1, span)
+        allowed = (kpos >= 0) & (kpos <= qpos[:, :, None])  # (B, N, span): causal
+        if self.window is not None:
+            allowed &= kpos > qpos[:, :, None] - self.window  # the last w positions only
+        allowed |= ~valid[:, :, None]  # padding queries see every slot (no empty softmax; discarded)
+        mask = allowed[:, None]  # (B, 1, N, span), broadcast over heads
+
+        def attend(layer: int) -> Attend:
+            def step(q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # (B, H, N, D) each
+                keys, values = self._keys[layer], self._values[layer]  # (B, H, S, D)
+                keys[b_idx, :, slot] = k[b_idx, :, i_idx]  # (M, H, D): write the real positions
+                values[b_idx, :, slot] = v[b_idx, :, i_idx]
+                return F.scaled_dot_product_attention(q, keys[:, :, :span], values[:, :, :span], attn_mask=mask)
+            return step
+
+        idx = torch.zeros(self.batch_size, N, dtype=torch.long, device=device)  # (B, N), padded with id 0
+        idx[b_idx, i_idx] = torch.cat(ids)
+        cos, sin = rope_at(qpos, self._shape[1], self.model.config.rope_base)  # (B, N, D/2) each
+        logits = self.model.run(idx, cos[:, None], sin[:, None], attend)  # (B, N, V)
+        self.positions = start + lengths
+        return logits
 
 
 # ---------------------------------------------------------------------------

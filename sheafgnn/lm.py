@@ -34,6 +34,7 @@ from torch_geometric.data import HeteroData
 
 from sheafgnn.baselines import CausalTransformer, TransformerConfig, count_parameters, match_width
 from sheafgnn.config import check_field_types
+from sheafgnn.generation import TokenStream
 
 MODEL_KINDS = ("sheaf", "dense", "local", "ssm")
 
@@ -64,6 +65,10 @@ class SequenceLM(nn.Module):
         if x.numel() % B != 0:
             raise ValueError(f"SequenceLM: {x.numel()} tokens do not split into {B} windows of equal length")
         return self.net(x.view(B, -1)).flatten(0, 1)  # (B * T, V)
+
+    def stream(self, batch_size: int = 1) -> TokenStream:
+        """The wrapped model's :class:`~sheafgnn.generation.TokenStream` for generation (a KV cache)."""
+        return self.net.stream(batch_size)
 
     def loss(self, batch: HeteroData) -> Tensor:
         """Mean next-token cross-entropy over ``batch['token'].y`` (-100 ignored)."""
