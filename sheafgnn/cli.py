@@ -9,6 +9,7 @@
     sheafgnn tasks     [...]                               MQAR, selective copying, induction (experiments.task_runner)
     sheafgnn simulate  [...]                               the paper's dependency simulation (experiments.simulation)
     sheafgnn inspect   CHECKPOINT_OR_CONFIG --text FILE    the learned topology on a text
+    sheafgnn generate  RUN (--prompt TEXT | --prompt-file FILE) --max-new-tokens N   sample a continuation
 
 Bad input (a missing or unreadable file, invalid YAML, a number out of range, a
 run folder without checkpoints) ends in one line on stderr,
@@ -19,10 +20,13 @@ place that turns the library's errors into that line.
 from __future__ import annotations
 
 import argparse
+import codecs
 import importlib
 import json
 import sys
+from collections.abc import Iterable
 from pathlib import Path
+from typing import TextIO
 
 import torch
 import yaml
@@ -164,10 +168,81 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def write_tokens(steps: Iterable[torch.Tensor], tokenizer, out: TextIO) -> None:
+    """Write each step's token (ids (1,)) to ``out`` as soon as it arrives, flushed.
+
+    The tokens' bytes go through one incremental UTF-8 decoder (invalid bytes
+    become U+FFFD), so a character split across tokens prints whole.
+    """
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    for ids in steps:
+        data, _ = tokenizer.token_bytes(ids.cpu())  # (bytes,), (1,)
+        out.write(decoder.decode(bytes(data.tolist())))
+        out.flush()
+    out.write(decoder.decode(b"", final=True))
+    out.flush()
+
+
+def _positive_float(text: str) -> float:
+    """An argparse ``type``: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
+    return value
+
+
+def _generate(args: argparse.Namespace) -> int:
+    text = args.prompt.encode("utf-8", errors="surrogateescape") if args.prompt is not None \
+        else Path(args.prompt_file).read_bytes()
+    if not text:
+        raise ValueError(f"the prompt {'file ' + args.prompt_file + ' ' if args.prompt is None else ''}is empty; "
+                         "generation needs at least one token to start from")
+    model, tokenizer = load_model(args.run)
+    if not hasattr(model, "stream"):
+        raise ValueError(f"{type(model).__name__} (run {args.run}) has no streaming generation (.stream()) yet")
+    ids = tokenizer.encode(text)  # (n,)
+    stream = model.stream()
+    if ids.numel() == 0:
+        raise ValueError("the prompt encodes to no tokens; give a longer prompt")
+    if int(ids.max()) >= stream.vocab_size:
+        raise ValueError(f"the prompt encodes to id {int(ids.max())}, outside the model's {stream.vocab_size} ids; "
+                         "the run's tokenizer does not match its model")
+    limit = stream.max_tokens
+    if limit is not None and ids.numel() + args.max_new_tokens > limit:
+        raise ValueError(f"the prompt ({ids.numel()} tokens) plus --max-new-tokens {args.max_new_tokens} exceeds "
+                         f"the model's limit of {limit} tokens; shorten the prompt or generate fewer tokens")
+    generator = torch.Generator().manual_seed(args.seed) if args.seed is not None else None
+    sys.stdout.write(text.decode("utf-8", errors="replace"))
+    sys.stdout.flush()
+    stream.feed(ids)
+    steps = stream.sample(args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, generator=generator)
+    write_tokens(steps, tokenizer, sys.stdout)
+    sys.stdout.write("\n")
+    return 0
+
+
+def _add_generate(sub) -> None:
+    generate = sub.add_parser("generate", help="sample a continuation of a prompt, printed as it is produced")
+    generate.add_argument("run", help="a training out_dir, a checkpoint step folder, or a SheafStateConfig file")
+    prompt = generate.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="the prompt text")
+    prompt.add_argument("--prompt-file", help="a file whose contents are the prompt")
+    generate.add_argument("--max-new-tokens", type=at_least(1), required=True, help="tokens to sample")
+    generate.add_argument("--temperature", type=_positive_float, default=1.0,
+                          help="softmax temperature > 0 (default: 1.0)")
+    generate.add_argument("--top-k", type=at_least(1), default=None,
+                          help="sample among the k most likely tokens (default: all; 1 = greedy)")
+    generate.add_argument("--seed", type=int, default=None, help="seed of the sampler (default: unseeded)")
+    generate.set_defaults(func=_generate)
+
+
 def _parser() -> ArgumentParser:
     parser = ArgumentParser(prog="sheafgnn", description=__doc__.split("\n")[0],
                             epilog="also: " + ", ".join(f"sheafgnn {name} --help" for name in DELEGATED))
-    names = ",".join(("demo", "build", "inspect", *DELEGATED))
+    names = ",".join(("demo", "build", "inspect", "generate", *DELEGATED))
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + names + "}")
     demo = sub.add_parser("demo", help="the main demo on the embedded corpus (other flags go to `sheafgnn compare`)")
     demo.add_argument("--out", default="runs/demo", help="output folder (default: runs/demo)")
@@ -191,6 +266,7 @@ def _parser() -> ArgumentParser:
     inspect.add_argument("--max-bytes", type=at_least(1), default=4096,
                          help="bytes of the text read (default: 4096)")
     inspect.set_defaults(func=_inspect)
+    _add_generate(sub)
     return parser
 
 

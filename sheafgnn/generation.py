@@ -93,7 +93,12 @@ class TokenStream:
         - **feed input:** ids (n,) for ``batch_size`` 1, else B tensors (n_b,)
         - **feed output:** logits (n, V), else a list of B tensors (n_b, V)
         - **sample:** ids (B,) per step
+
+    A subclass whose model can take only so many tokens sets
+    :attr:`max_tokens`; :meth:`feed` and :meth:`sample` then refuse to go past it.
     """
+
+    max_tokens: int | None = None  # the most tokens one stream can hold (None: no limit); feed checks it
 
     def __init__(self, batch_size: int, vocab_size: int) -> None:
         for name, value in (("batch_size", batch_size), ("vocab_size", vocab_size)):
@@ -142,6 +147,9 @@ class TokenStream:
             if x.numel() and (int(x.min()) < 0 or int(x.max()) >= self.vocab_size):
                 raise ValueError(f"{where} must lie in [0, {self.vocab_size}) (got values from {int(x.min())} "
                                  f"to {int(x.max())})")
+            if self.max_tokens is not None and self.num_tokens[b] + x.numel() > self.max_tokens:
+                raise ValueError(f"{where}: {self.num_tokens[b]} + {x.numel()} tokens exceed the stream's limit of "
+                                 f"{self.max_tokens} tokens")
             out.append(x.long())
         return out
 
@@ -195,6 +203,9 @@ class TokenStream:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"{type(self).__name__}.sample: max_new_tokens must be an integer >= 0 "
                              f"(got {max_new_tokens!r})")
+        if self.max_tokens is not None and max(self.num_tokens) + max_new_tokens > self.max_tokens:
+            raise ValueError(f"{type(self).__name__}.sample: {max(self.num_tokens)} + {max_new_tokens} tokens exceed "
+                             f"the stream's limit of {self.max_tokens} tokens")
         empty = [b for b, n in enumerate(self.num_tokens) if n == 0]
         if empty:
             raise ValueError(f"{type(self).__name__}.sample: stream(s) {empty} have no tokens yet; feed a prompt "

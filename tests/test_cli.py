@@ -210,6 +210,24 @@ BAD_INPUT = [
     ("inspect", ["{no_checkpoints}", "--text", "{model_yaml}"], "holds no checkpoint"),
     ("inspect", ["{missing_txt}", "--text", "{model_yaml}"], "no checkpoint folder or config file"),
     ("inspect", ["{model_yaml}", "--text", "{model_yaml}", "--hops", "0"], "expected an integer >= 1, got 0"),
+    ("generate", ["{missing_txt}", "--prompt", "hi", "--max-new-tokens", "3"], "no checkpoint folder or config file"),
+    ("generate", ["{no_checkpoints}", "--prompt", "hi", "--max-new-tokens", "3"], "holds no checkpoint"),
+    ("generate", ["{model_yaml}", "--prompt", "", "--max-new-tokens", "3"], "the prompt is empty"),
+    ("generate", ["{model_yaml}", "--prompt-file", "{empty_txt}", "--max-new-tokens", "3"],
+     "the prompt file {empty_txt} is empty"),
+    ("generate", ["{model_yaml}", "--prompt-file", "{missing_txt}", "--max-new-tokens", "3"],
+     "No such file or directory: {missing_txt}"),
+    ("generate", ["{model_yaml}", "--prompt", "a", "--prompt-file", "{model_yaml}", "--max-new-tokens", "3"],
+     "argument --prompt-file: not allowed with argument --prompt"),
+    ("generate", ["{model_yaml}", "--max-new-tokens", "3"], "one of the arguments --prompt --prompt-file is required"),
+    ("generate", ["{model_yaml}", "--prompt", "a"], "the following arguments are required: --max-new-tokens"),
+    ("generate", ["{model_yaml}", "--prompt", "a", "--max-new-tokens", "0"], "expected an integer >= 1, got 0"),
+    ("generate", ["{model_yaml}", "--prompt", "a", "--max-new-tokens", "2", "--temperature", "0"],
+     "argument --temperature: expected a finite number > 0, got 0"),
+    ("generate", ["{model_yaml}", "--prompt", "a", "--max-new-tokens", "2", "--temperature", "hot"],
+     "expected a number > 0, got 'hot'"),
+    ("generate", ["{model_yaml}", "--prompt", "a", "--max-new-tokens", "2", "--top-k", "0"],
+     "argument --top-k: expected an integer >= 1, got 0"),
 ]
 
 
@@ -224,7 +242,7 @@ def test_bad_input_gives_one_line_and_status_2(bad_files, capsys, command, args,
 def test_every_command_has_a_bad_input_case():
     from sheafgnn.cli import DELEGATED
 
-    assert {command for command, _, _ in BAD_INPUT} == {"demo", "build", "inspect", *DELEGATED}
+    assert {command for command, _, _ in BAD_INPUT} == {"demo", "build", "inspect", "generate", *DELEGATED}
 
 
 def test_bad_input_in_a_fresh_process_has_no_traceback(tmp_path):
@@ -233,3 +251,96 @@ def test_bad_input_in_a_fresh_process_has_no_traceback(tmp_path):
     assert proc.returncode == 2 and proc.stdout == "" and not list(tmp_path.iterdir())
     assert proc.stderr == "sheafgnn simulate: error: argument --n: expected an integer >= 8, got -5 " \
                           "(see sheafgnn simulate --help)\n"
+
+
+# ---------------------------------------------------------------------------
+# sheafgnn generate
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained_runs(tmp_path_factory) -> dict[str, Path]:
+    """A dense and a local run, 2 training steps each on a tiny model (a few seconds)."""
+    from sheafgnn.train import train
+
+    root = tmp_path_factory.mktemp("generate")
+    corpus = root / "corpus.txt"
+    corpus.write_text(PROSE * 10)
+    runs = {}
+    for kind, options in (("dense", {}), ("local", {"window": 8})):
+        runs[kind] = root / kind
+        train(TrainConfig(model=kind, model_config={"d_model": 32, "n_layers": 1, "n_heads": 2, **options},
+                          site={"patch_types": []}, corpus=str(corpus), context=32, batch_size=2, steps=2,
+                          eval_every=2, eval_batches=1, checkpoint_every=2, out_dir=str(runs[kind]), num_threads=1,
+                          progress=False, tensorboard=False))
+    return runs
+
+
+@pytest.mark.parametrize("kind", ["dense", "local"])
+def test_generate_prints_the_prompt_then_the_sampled_tokens(trained_runs, tmp_path, capsys, kind):
+    prompt = "The cat sat on the mat. Then"
+    args = ["--max-new-tokens", "40", "--temperature", "0.8", "--top-k", "20", "--seed", "7"]
+    status, out, err = run(["generate", str(trained_runs[kind]), "--prompt", prompt, *args], capsys)
+    assert status == 0, err
+    model, tokenizer = load_model(trained_runs[kind])
+    stream = model.stream()
+    stream.feed(tokenizer.encode(prompt))
+    ids = stream.generate(40, temperature=0.8, top_k=20, generator=torch.Generator().manual_seed(7))
+    assert ids.shape == (40,)
+    assert out == prompt + bytes(ids.tolist()).decode("utf-8", errors="replace") + "\n"
+    assert out.startswith(prompt)
+    # the same run from a prompt file and from the checkpoint step folder: the same text
+    (tmp_path / "prompt.txt").write_text(prompt)
+    step = sorted((trained_runs[kind] / "checkpoints").glob("step_*"))[-1]
+    status, again, err = run(["generate", str(step), "--prompt-file", str(tmp_path / "prompt.txt"), *args], capsys)
+    assert status == 0 and again == out, err
+
+
+def test_generate_refuses_ids_out_of_vocab_and_prompts_too_long(trained_runs, capsys, monkeypatch):
+    from sheafgnn import cli
+    from sheafgnn.baselines import TransformerStream
+    from sheafgnn.site import ByteTokenizer
+
+    monkeypatch.setattr(TransformerStream, "max_tokens", 10)
+    status, out, err = run(["generate", str(trained_runs["dense"]), "--prompt", "0123456", "--max-new-tokens", "4"],
+                           capsys)
+    assert status == 2 and out == "" and err.count("\n") == 1
+    assert "the prompt (7 tokens) plus --max-new-tokens 4 exceeds the model's limit of 10 tokens" in err
+    assert run(["generate", str(trained_runs["dense"]), "--prompt", "0123456", "--max-new-tokens", "3"],
+               capsys)[0] == 0
+    monkeypatch.undo()
+
+    small = build_model("dense", {"d_model": 32, "n_layers": 1, "n_heads": 2}, 64).eval()
+    monkeypatch.setattr(cli, "load_model", lambda path: (small, ByteTokenizer()))
+    status, out, err = run(["generate", "anything", "--prompt", "hi ~", "--max-new-tokens", "2"], capsys)
+    assert status == 2 and out == "" and err.count("\n") == 1
+    assert "the prompt encodes to id 126, outside the model's 64 ids" in err
+
+
+def test_generate_on_an_untrained_sheaf_config(bad_files, capsys):
+    """The sheaf kinds stream once SheafStateLM has .stream(); until then, a one-line error."""
+    status, out, err = run(["generate", bad_files["model_yaml"], "--prompt", "The cat", "--max-new-tokens", "5",
+                            "--seed", "0"], capsys)
+    if hasattr(SheafStateLM, "stream"):
+        assert status == 0 and out.startswith("The cat") and out.endswith("\n"), err
+    else:
+        assert status == 2 and "SheafStateLM (run" in err and "has no streaming generation" in err
+
+
+def test_write_tokens_decodes_characters_split_across_tokens():
+    import io
+
+    from sheafgnn.cli import write_tokens
+    from sheafgnn.site import ByteTokenizer
+
+    class Recorder(io.StringIO):
+        flushes: list[str] = []
+
+        def flush(self) -> None:
+            self.flushes.append(self.getvalue())
+
+    out = Recorder()
+    data = "é€a".encode() + b"\xff" + b"!"  # 2-byte, 3-byte, ASCII, invalid, ASCII
+    write_tokens((torch.tensor([b]) for b in data), ByteTokenizer(), out)
+    assert out.getvalue() == "é€a\ufffd!"
+    assert out.flushes[:6] == ["", "é", "é", "é", "é€", "é€a"]  # each token flushed as it arrives

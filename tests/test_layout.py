@@ -25,6 +25,8 @@ LAYERS = {  # module prefix -> prefixes it must not import
     "sheafgnn.data": ("sheafgnn.train", *UPPER),
     "sheafgnn.train": UPPER,
     "sheafgnn.relations": UPPER,
+    "sheafgnn.baselines": ("sheafgnn.model", "sheafgnn.lm", "sheafgnn.train", "sheafgnn.data", *UPPER),
+    "sheafgnn.generation": ("sheafgnn",),  # torch only: every model's stream builds on it
 }
 
 
