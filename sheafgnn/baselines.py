@@ -17,6 +17,10 @@ length: a model trained at 256 tokens runs at 16k.
     ├── ln_f
     └── lm_head    Linear(C, V), tied to wte    (B, T, C) -> logits (B, T, V)
 
+    CausalTransformer.stream(B) -> TransformerStream   generation with a KV cache
+        per layer keys/values (B, H, S, D)   dense: S doubles as needed; local: a ring, S = w + chunk - 1
+        feed(ids) -> logits of the fed positions, the same blocks with attention against the cache
+
 The local variant restricts position t to keys t-w+1..t. It is computed in
 blocks of w queries, each attending to the 2w keys of its own and the previous
 block through a fixed (w, 2w) band mask, so no (T, T) matrix is ever built.
@@ -337,9 +341,9 @@ class TransformerStream(TokenStream):
         self.window = c.window
         self.chunk = 1024 if c.window is None else max(c.window, 64)
         weight = model.wte.weight
-        self._shape = (c.n_heads, c.d_model // c.n_heads)  # H, D
-        size = 256 if c.window is None else c.window + self.chunk - 1
-        self._keys = [weight.new_zeros(batch_size, *self._shape[:1], size, self._shape[1]) for _ in model.blocks]
+        self.head_dim = c.d_model // c.n_heads  # D
+        size = 256 if c.window is None else c.window + self.chunk - 1  # S
+        self._keys = [weight.new_zeros(batch_size, c.n_heads, size, self.head_dim) for _ in model.blocks]
         self._values = [torch.zeros_like(k) for k in self._keys]
         self.slot_pos = torch.full((batch_size, size), -1, dtype=torch.long, device=weight.device)  # (B, S)
         self.positions = torch.zeros(batch_size, dtype=torch.long, device=weight.device)  # (B,) tokens cached
@@ -377,10 +381,10 @@ class TransformerStream(TokenStream):
         offset = torch.arange(N, device=device)  # (N,)
         qpos = start[:, None] + offset  # (B, N) absolute positions of the queries
         valid = offset < lengths[:, None]  # (B, N) real (not padding) queries
-        if self.window is None:
-            self._grow(int((start + lengths).max()))
-            span = int((start + lengths).max())  # dense: slots 0..span-1 are the positions so far
-        else:
+        if self.window is None:  # dense: slot = position; attend over slots 0..span-1, the positions so far
+            span = int((start + lengths).max())
+            self._grow(span)
+        else:  # local: the whole ring
             span = self.slot_pos.shape[1]
         b_idx, i_idx = valid.nonzero(as_tuple=True)  # (M,), (M,) the real queries
         slot = qpos[b_idx, i_idx] % self.slot_pos.shape[1]  # (M,) dense: the position itself
@@ -402,7 +406,7 @@ class TransformerStream(TokenStream):
 
         idx = torch.zeros(self.batch_size, N, dtype=torch.long, device=device)  # (B, N), padded with id 0
         idx[b_idx, i_idx] = torch.cat(ids)
-        cos, sin = rope_at(qpos, self._shape[1], self.model.config.rope_base)  # (B, N, D/2) each
+        cos, sin = rope_at(qpos, self.head_dim, self.model.config.rope_base)  # (B, N, D/2) each
         logits = self.model.run(idx, cos[:, None], sin[:, None], attend)  # (B, N, V)
         self.positions = start + lengths
         return logits
