@@ -126,10 +126,13 @@ def test_multi_byte_tokens(full_config):
 
 
 _PIECES = [b"(", b")", b"[", b"]", b"{", b"}", b'"', b"`", b"\n", b"\n\n", b"    ", b"  ", b"\t", b" ",
-           b". ", b".", b"!", b"?", b"###", b"Q:", b"ab\n", b"cat", b"dog", b"\xff", b"\xc3", b"\xe9", b"3.14"]
-_TEXT = st.lists(st.one_of(st.sampled_from(_PIECES), st.binary(max_size=3)), max_size=60).map(b"".join)
-_FUZZ_CONFIG = SiteConfig(local_window=3, syntax_max_depth=2, syntax_max_span=8, instruction_cues=("###", "Q:", "ab\n"),
-                          anchor_scope=6, topic_links=2, memory_min_len=1, memory_max_len=4, memory_links=2,
+           b". ", b".", b"!", b"?", b"###", b"Q:", b"ab\n", b"cat", b"dog", b"\xff", b"\xc3", b"\xe9", b"3.14",
+           b"(x)", b"[]", b'"q"', b"`a`", b"\n  x\n    y\n z\n", b"\n### do\n", b"\nQ: a b.\n"]
+_TEXT = st.lists(st.one_of(st.sampled_from(_PIECES), st.sampled_from(_PIECES), st.binary(max_size=3)),
+                 max_size=60).map(b"".join)
+_FUZZ_CONFIG = SiteConfig(local_window=3, syntax_max_depth=2, syntax_max_span=16,
+                          instruction_cues=("###", "Q:", "ab\n"), anchor_scope=6, topic_links=2,
+                          memory_min_len=1, memory_max_len=4, memory_links=2,
                           retrieval_key_len=2, retrieval_links=2, workspace_registers=2, readout_last=2)
 
 

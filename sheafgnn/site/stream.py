@@ -34,6 +34,12 @@ in a dict; anchors bisect the list of instruction ends; reads count the nodes
 of each type. The structural edges reuse the builder's functions with node
 offsets.
 
+Exact, with two caveats: retrieval keys are the id tuples themselves, where
+``build_site`` uses a wrapping polynomial hash once ``vocab ** retrieval_key_len``
+exceeds 2^62 (the two differ only on a hash collision there); and an instruction
+cue may not hold a newline before its last byte (``build_site`` would need bytes
+after the line's newline, which is not causal), so :class:`SiteStream` refuses it.
+
 Cost per push: O(new bytes + new nodes + new edges), plus O(log #instructions)
 per new local/sentence patch (the anchor bisect) and, for the topic model,
 O(sentence length) when a sentence closes (each byte once: amortised O(1)).
