@@ -9,6 +9,7 @@ from sheafgnn.site.schema import (
     PatchType,
     SiteConfig,
 )
+from sheafgnn.site.stream import SiteStream
 from sheafgnn.site.tokenizer import BPETokenizer, ByteTokenizer
 from sheafgnn.site.topic import TopicModel
 
@@ -22,6 +23,7 @@ __all__ = [
     "PatchType",
     "SiteBuilder",
     "SiteConfig",
+    "SiteStream",
     "TopicModel",
     "build_site",
     "validate_site",

@@ -100,12 +100,12 @@ def _window_keys(ids: Tensor, m: int) -> Tensor:
     return (windows * weights).sum(1)
 
 
-def _cover(spans: Spans) -> Tensor:
-    """token -> patch edges: each patch from every token it spans."""
+def _cover(spans: Spans, first_node: int = 0) -> Tensor:
+    """token -> patch edges: each patch from every token it spans (patch ids from ``first_node``)."""
     start, end = spans
     length = end - start
     total = int(length.sum())
-    patch = torch.repeat_interleave(_arange(start.numel()), length, output_size=total)
+    patch = torch.repeat_interleave(_arange(start.numel()) + first_node, length, output_size=total)
     shift = start - (torch.cumsum(length, 0) - length)  # token = edge rank + shift of its patch
     token = _arange(total) + torch.repeat_interleave(shift, length, output_size=total)
     return torch.stack([token, patch])
@@ -116,19 +116,24 @@ def _load_topic_model(path: str) -> TopicModel:
     return TopicModel.load(path)
 
 
+def _check_ids(ids: Tensor, vocab_size: int, caller: str) -> Tensor:
+    """``ids`` as a 1-D LongTensor on the CPU, or a clear error naming ``caller``."""
+    if ids.dim() != 1:
+        raise ValueError(f"{caller}: token ids must be 1-D, got shape {tuple(ids.shape)}")
+    if ids.dtype.is_floating_point or ids.dtype in (torch.bool, torch.complex64, torch.complex128):
+        raise TypeError(f"{caller}: token ids must be an integer tensor, got {ids.dtype}")
+    ids = ids.long().cpu()
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(f"{caller}: token ids must lie in [0, {vocab_size}) "
+                         f"(got min {int(ids.min())}, max {int(ids.max())})")
+    return ids
+
+
 def _as_ids(text_or_ids, tokenizer) -> Tensor:
     if isinstance(text_or_ids, (str, bytes, bytearray)):
         return tokenizer.encode(text_or_ids)
     if isinstance(text_or_ids, Tensor):
-        if text_or_ids.dim() != 1:
-            raise ValueError(f"build_site: token ids must be 1-D, got shape {tuple(text_or_ids.shape)}")
-        if text_or_ids.dtype.is_floating_point or text_or_ids.dtype in (torch.bool, torch.complex64, torch.complex128):
-            raise TypeError(f"build_site: token ids must be an integer tensor, got {text_or_ids.dtype}")
-        ids = text_or_ids.long().cpu()
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= tokenizer.vocab_size):
-            raise ValueError(f"build_site: token ids must lie in [0, {tokenizer.vocab_size}) "
-                             f"(got min {int(ids.min())}, max {int(ids.max())})")
-        return ids
+        return _check_ids(text_or_ids, tokenizer.vocab_size, "build_site")
     raise TypeError(f"build_site: expected text (str or bytes) or a 1-D LongTensor of token ids, "
                     f"got {type(text_or_ids).__name__}")
 
@@ -229,7 +234,7 @@ def _patches(window: _Window, config: SiteConfig,
     if config.enabled("retrieval") and n > config.retrieval_key_len:
         spans["retrieval"], links[("token", "recalls", "retrieval")] = _retrieval_patches(window.ids, config)
     if config.enabled("workspace") and n // config.local_window:
-        spans["workspace"], attrs["workspace"], writes = _workspace_patches(n, config)
+        spans["workspace"], attrs["workspace"], writes = _workspace_patches(_arange(n // config.local_window), config)
         if config.enabled("local"):
             links[("local", "writes", "workspace")] = writes
     spans["output"] = (_arange(n), _arange(n) + 1)
@@ -277,29 +282,37 @@ def _retrieval_patches(ids: Tensor, config: SiteConfig) -> tuple[Spans, Tensor]:
     return (positions - m + 1, positions + 1), recalls
 
 
-def _workspace_patches(n: int, config: SiteConfig) -> tuple[Spans, Tensor, Tensor]:
-    """``workspace_registers`` registers over each full local window, their register ids,
-    and the edges from each window's local patch to its registers."""
+def _workspace_patches(windows: Tensor, config: SiteConfig) -> tuple[Spans, Tensor, Tensor]:
+    """``workspace_registers`` registers over each of the full local ``windows`` (their
+    indices), their register ids, and the edges from each window's local patch to its registers."""
     w, registers = config.local_window, config.workspace_registers
-    window = torch.repeat_interleave(_arange(n // w), registers)  # (num_windows * R,)
+    window = torch.repeat_interleave(windows, registers)  # (num_windows * R,)
     register = _arange(window.numel()) % registers
-    writes = torch.stack([window, _arange(window.numel())])
+    writes = torch.stack([window, window * registers + register])
     return (window * w, window * w + w), register, writes
 
 
-def _cover_edges(spans: dict[str, Spans]) -> dict[EdgeType, Tensor]:
-    """token -> patch 'in' edges of every covered type."""
-    return {("token", "in", p): _cover(spans[p]) for p in COVERED_TYPES if spans[p][0].numel()}
+def _cover_edges(spans: dict[str, Spans], first_node: dict[str, int] | None = None) -> dict[EdgeType, Tensor]:
+    """token -> patch 'in' edges of every covered type (patch ids from ``first_node[p]``, default 0)."""
+    first_node = first_node or {}
+    return {("token", "in", p): _cover(spans[p], first_node.get(p, 0)) for p in COVERED_TYPES if spans[p][0].numel()}
 
 
-def _chain_edges(spans: dict[str, Spans], registers: int) -> dict[EdgeType, Tensor]:
-    """patch -> next patch of the same type; each workspace register chains to itself."""
+def _chain_edges(spans: dict[str, Spans], registers: int,
+                 first_node: dict[str, int] | None = None) -> dict[EdgeType, Tensor]:
+    """patch -> next patch of the same type; each workspace register chains to itself.
+
+    The patches of type p are nodes ``first_node[p]`` (default 0) onwards; their
+    predecessors may be earlier nodes.
+    """
+    first_node = first_node or {}
     edges = {}
     for p in CHAINED_TYPES:
-        count = spans[p][0].numel()
         lag = registers if p == "workspace" else 1
-        if count > lag:
-            edges[(p, "next", p)] = torch.stack([_arange(count - lag), _arange(count - lag) + lag])
+        node = _arange(spans[p][0].numel()) + first_node.get(p, 0)
+        node = node[node >= lag]
+        if node.numel():
+            edges[(p, "next", p)] = torch.stack([node - lag, node])
     return edges
 
 
@@ -317,18 +330,25 @@ def _anchor_edges(spans: dict[str, Spans], anchor_scope: int) -> dict[EdgeType, 
     return edges
 
 
-def _read_edges(spans: dict[str, Spans], n: int, config: SiteConfig) -> dict[EdgeType, Tensor]:
-    """Output t reads token t and the latest ``readout_last`` patches of each type with time <= t."""
-    positions = _arange(n)
+def _read_edges(spans: dict[str, Spans], n: int, config: SiteConfig, first: int = 0,
+                first_node: dict[str, int] | None = None) -> dict[EdgeType, Tensor]:
+    """Output t reads token t and the latest ``readout_last`` patches of each type with time <= t.
+
+    For the outputs t in [first, n) only, when ``spans[p]`` holds the patches with
+    time in [first, n), nodes ``first_node[p]`` (default 0) onwards.
+    """
+    first_node = first_node or {}
+    positions = _arange(n - first) + first
     edges = {("token", "reads", "output"): torch.stack([positions, positions])}
     for p in READ_TYPES[1:]:
-        time = spans[p][1] - 1
-        if time.numel() == 0:
+        time = spans[p][1] - 1 - first
+        before = first_node.get(p, 0)  # nodes with time < first
+        if time.numel() == 0 and before == 0:
             continue
         last = config.readout_last * (config.workspace_registers if p == "workspace" else 1)
         # Latest node with time <= t: the node ending at t (if any), carried forward.
-        latest = torch.full((n,), -1, dtype=torch.long).scatter_reduce_(0, time, _arange(time.numel()), "amax")
-        latest = latest.cummax(0).values  # (n,)
+        latest = torch.full((n - first,), -1, dtype=torch.long).scatter_reduce_(0, time, _arange(time.numel()), "amax")
+        latest = latest.cummax(0).values + before  # (n - first,)
         src = torch.cat([latest - k for k in range(last)])
         dst = positions.repeat(last)
         ok = src >= 0
@@ -337,10 +357,12 @@ def _read_edges(spans: dict[str, Spans], n: int, config: SiteConfig) -> dict[Edg
 
 
 def _hetero_data(ids: Tensor, spans: dict[str, Spans], attrs: dict[str, Tensor],
-                 edges: dict[EdgeType, Tensor]) -> HeteroData:
-    """The site as a HeteroData: token ids and times, patch spans and times, extra attributes, edges."""
+                 edges: dict[EdgeType, Tensor], first: int = 0) -> HeteroData:
+    """The site as a HeteroData: token ids and times, patch spans and times, extra attributes, edges.
+
+    ``ids`` are the tokens at positions ``first`` onwards."""
     n = ids.numel()
-    positions = _arange(n)
+    positions = _arange(n) + first
     data = HeteroData()
     data["token"].x = ids
     data["token"].pos = positions

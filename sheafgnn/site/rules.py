@@ -23,6 +23,7 @@ _STOP = torch.zeros(256, dtype=torch.bool)
 _STOP[list(b".!?")] = True
 _OPEN = {ord("("): 1, ord("["): 2, ord("{"): 3}
 _CLOSE = {ord(")"): 1, ord("]"): 2, ord("}"): 3}
+_QUOTES = (ord('"'), ord("`"))  # quote bytes that pair on a line
 _NEWLINE = ord("\n")
 
 
@@ -83,7 +84,7 @@ def brackets(b: Tensor, max_depth: int) -> tuple[Tensor, Tensor]:
 def quotes(b: Tensor) -> tuple[Tensor, Tensor]:
     """Double-quote and backtick spans: the 1st and 2nd quote of a line pair, then the 3rd and 4th..."""
     b = b.long()
-    is_quote = (b == ord('"')) | (b == ord("`"))
+    is_quote = (b == _QUOTES[0]) | (b == _QUOTES[1])
     pos = torch.nonzero(is_quote).squeeze(1)
     if pos.numel() < 2:
         return _empty()
