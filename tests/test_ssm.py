@@ -285,7 +285,7 @@ def test_step_matches_forward(d_conv):
 
 @pytest.mark.parametrize("prefix", [1, 2, 9, 16])
 def test_prefill_state_then_step(prefix):
-    """forward(..., return_state=True) hands the last chain over to step."""
+    """forward(..., return_state=True) hands every chain's state over; the last one continues with step."""
     block = make_block()
     torch.manual_seed(4)
     L = 24
@@ -293,8 +293,9 @@ def test_prefill_state_then_step(prefix):
     x = torch.randn(L, 16, dtype=torch.float64)
     full = block(x)
     stream = torch.cat([other, x[:prefix]])
-    _, state = block(stream, chain_stream([7, prefix]), return_state=True)
-    assert state.ssm.shape == (1, block.nheads, block.headdim, block.d_state)
+    _, states = block(stream, chain_stream([7, prefix]), return_state=True)
+    assert states.ssm.shape == (2, block.nheads, block.headdim, block.d_state)
+    state = SSMState(states.conv[1:], states.ssm[1:])
     steps = []
     for t in range(prefix, L):
         y_t, state = block.step(x[t:t + 1], state)
@@ -311,3 +312,87 @@ def test_block_gradients_reach_every_parameter():
     for name, p in block.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
         assert p.grad.abs().sum() > 0, name
+
+
+CHAIN_LENGTHS = [1, 2, 3, 7, 70, 130]  # below d_conv - 1, across chunk boundaries
+
+
+def _split_chains(lengths, cut):
+    """Each chain cut in two at ``cut(length)`` (at least one element on each side)."""
+    heads = [max(1, min(n - 1, cut(n))) if n > 1 else 1 for n in lengths]
+    return heads, [n - h for n, h in zip(lengths, heads)]
+
+
+def _take(x, lengths, parts):
+    """Rows of the flat stream ``x`` of chains ``lengths``: part 0 or 1 of each chain, concatenated."""
+    out, start = [], 0
+    for n, (a, b) in zip(lengths, parts):
+        out.append(x[start + a : start + b])
+        start += n
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("cut", [lambda n: 1, lambda n: n // 2, lambda n: n - 1, lambda n: 65])
+def test_chains_continue_from_given_states(cut):
+    """Scanning the first part of every chain with return_state, then the rest from those states,
+    equals scanning the whole stream: outputs and final states (float64)."""
+    block = make_block()
+    torch.manual_seed(6)
+    lengths = [n for n in CHAIN_LENGTHS if n > 1]
+    heads, tails = _split_chains(lengths, cut)
+    x = torch.randn(sum(lengths), 16, dtype=torch.float64)
+    full, final = block(x, chain_stream(lengths), return_state=True)
+    first = _take(x, lengths, [(0, h) for h in heads])
+    rest = _take(x, lengths, [(h, n) for h, n in zip(heads, lengths)])
+    y1, mid = block(first, chain_stream(heads), return_state=True)
+    y2, end = block(rest, chain_stream(tails), state=mid, return_state=True)
+    torch.testing.assert_close(_take(full, lengths, [(0, h) for h in heads]), y1, atol=1e-10, rtol=1e-8)
+    torch.testing.assert_close(_take(full, lengths, [(h, n) for h, n in zip(heads, lengths)]), y2,
+                               atol=1e-10, rtol=1e-8)
+    torch.testing.assert_close(end.ssm, final.ssm, atol=1e-10, rtol=1e-8)
+    torch.testing.assert_close(end.conv, final.conv, atol=1e-12, rtol=0)
+
+
+def test_chains_from_states_equal_step_loop_and_separate_calls():
+    block = make_block()
+    torch.manual_seed(7)
+    lengths = CHAIN_LENGTHS
+    x = torch.randn(sum(lengths), 16, dtype=torch.float64)
+    _, state = block(torch.randn(len(lengths) * 5, 16, dtype=torch.float64), chain_stream([5] * len(lengths)),
+                     return_state=True)  # a different state per chain
+    y, end = block(x, chain_stream(lengths), state=state, return_state=True)
+    start = 0
+    for c, n in enumerate(lengths):
+        one = SSMState(state.conv[c : c + 1], state.ssm[c : c + 1])
+        alone, alone_end = block(x[start : start + n], state=one, return_state=True)
+        torch.testing.assert_close(y[start : start + n], alone, atol=1e-10, rtol=1e-8)
+        torch.testing.assert_close(end.ssm[c : c + 1], alone_end.ssm, atol=1e-10, rtol=1e-8)
+        steps = []
+        for t in range(n):
+            y_t, one = block.step(x[start + t : start + t + 1], one)
+            steps.append(y_t)
+        torch.testing.assert_close(torch.cat(steps), alone, atol=1e-10, rtol=1e-8)
+        torch.testing.assert_close(one.conv, alone_end.conv, atol=1e-12, rtol=0)
+        start += n
+
+
+def test_gradients_reach_the_input_and_the_state():
+    block = make_block()
+    torch.manual_seed(8)
+    x = torch.randn(9, 16, dtype=torch.float64, requires_grad=True)
+    _, state = block(torch.randn(6, 16, dtype=torch.float64), chain_stream([3, 3]), return_state=True)
+    ssm = state.ssm.detach().clone().requires_grad_(True)
+    y, _ = block(x, chain_stream([4, 5]), state=SSMState(state.conv, ssm), return_state=True)
+    y.square().sum().backward()
+    assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+    assert ssm.grad.abs().sum() > 0
+
+
+def test_bad_state_shapes():
+    block = make_block()
+    x = torch.randn(5, 16, dtype=torch.float64)
+    state = block.init_state(3, dtype=torch.float64)
+    with pytest.raises(ValueError, match="one entry per chain"):
+        block(x, chain_stream([2, 3]), state=state)
+    with pytest.raises(ValueError, match="one entry per chain"):
+        block(x, state=SSMState(state.conv[:1, :1], state.ssm[:1]))

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sheafgnn.nn.ssm_kernels import chain_starts, gated_rms_norm, shift_conv, ssd_scan
+from sheafgnn.nn.ssm_kernels import chain_starts, gated_rms_norm, shift_conv, ssd_scan, ssd_scan_chains
 
 __all__ = ["SSMState", "SelectiveSSM"]
 
@@ -158,39 +158,41 @@ class SelectiveSSM(nn.Module):
         z, xBC, dt = torch.split(zxbcdt, [self.d_inner, self.conv_dim, self.nheads], dim=-1)
         return z, xBC, dt
 
-    def _conv(self, xBC: Tensor, starts: Tensor) -> Tensor:
+    def _conv(self, xBC: Tensor, starts: Tensor, window: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Causal depthwise conv that never reads across a chain start.
 
+        Each chain reads ``d_conv - 1`` rows before its start: zeros, or its row of ``window``
+        (the last conv inputs of the chain so far, :attr:`SSMState.conv`).
+
         Shapes:
-            - **input:** xBC (L, conv_dim), starts (L,) bool
-            - **output:** (L, conv_dim)
+            - **input:** xBC (L, conv_dim), starts (L,) bool, window (num_chains, d_conv - 1, conv_dim)
+            - **output:** (L, conv_dim), and the padded layout (Lp, conv_dim) with the positions
+              of the rows of xBC in it (L,)
         """
         K = self.d_conv
         L = xBC.size(0)
-        if K == 1 or L == 0:
-            return torch.addcmul(self.conv_bias, xBC, self.conv_weight[:, 0])  # (L, conv_dim)
-        # Lay the chains out with K-1 zero rows before each chain start, so every
+        if K == 1:  # no taps before the current input: nothing to lay out
+            index = torch.arange(L, device=xBC.device)
+            return torch.addcmul(self.conv_bias, xBC, self.conv_weight[:, 0]), xBC, index
+        # Lay the chains out with K-1 rows before each chain start, so every
         # tap is a plain shifted slice (a view) and never reads another chain.
         chain = starts.long().cumsum(0)  # (L,): 1 for the first chain
         pos = torch.arange(L, device=xBC.device) + (K - 1) * chain  # (L,)
         Lp = L + (K - 1) * int(chain[-1])
         xp = xBC.new_zeros(Lp, xBC.size(1)).index_copy(0, pos, xBC)  # (Lp, conv_dim)
+        if window is not None:
+            before = (pos[starts] - (K - 1)).unsqueeze(1) + torch.arange(K - 1, device=xBC.device)  # (C, K-1)
+            xp = xp.index_put((before.flatten(),), window.reshape(-1, xBC.size(1)))
         out = shift_conv(xp, self.conv_weight, self.conv_bias)  # (Lp - K + 1, conv_dim)
-        return out.index_select(0, pos - (K - 1))  # (L, conv_dim)
+        return out.index_select(0, pos - (K - 1)), xp, pos  # (L, conv_dim)
 
-    def _conv_tail(self, xBC: Tensor, starts: Tensor) -> Tensor:
-        """The last ``d_conv - 1`` conv inputs of the last chain, zero-padded.
-
-        Shapes:
-            - **input:** xBC (L, conv_dim), starts (L,) bool
-            - **output:** (1, d_conv - 1, conv_dim)
-        """
+    def _conv_tails(self, xp: Tensor, pos: Tensor, starts: Tensor) -> Tensor:
+        """The last ``d_conv - 1`` conv inputs of every chain (reading into the rows before a short
+        chain), from the padded layout of :meth:`_conv`: (num_chains, d_conv - 1, conv_dim)."""
         K = self.d_conv
-        chain = starts.long().cumsum(0)  # (L,)
-        tail = F.pad(xBC, (0, 0, K - 1, 0))[xBC.size(0):]  # (K-1, conv_dim)
-        tail_chain = F.pad(chain, (K - 1, 0), value=-1)[chain.size(0):]  # (K-1,)
-        keep = (tail_chain == chain[-1]).unsqueeze(-1)  # (K-1, 1)
-        return torch.where(keep, tail, 0.0).unsqueeze(0)  # (1, K-1, conv_dim)
+        last = torch.cat([torch.nonzero(starts).squeeze(1)[1:] - 1, pos.new_tensor([pos.numel() - 1])])
+        rows = pos[last].unsqueeze(1) + torch.arange(-(K - 2), 1, device=xp.device)  # (C, K-1)
+        return xp[rows]  # (C, K-1, conv_dim)
 
     def _gate_out(self, y: Tensor, z: Tensor) -> Tensor:
         norm = self.norm
@@ -199,7 +201,7 @@ class SelectiveSSM(nn.Module):
         eps = torch.finfo(y.dtype).eps if norm.eps is None else norm.eps
         return self.out_proj(gated_rms_norm(y, z, norm.weight, eps))
 
-    def forward(self, x: Tensor, reset: Tensor | None = None,
+    def forward(self, x: Tensor, reset: Tensor | None = None, state: SSMState | None = None,
                 return_state: bool = False) -> Tensor | tuple[Tensor, SSMState]:
         r"""Scan every chain of the flat stream ``x`` in parallel.
 
@@ -207,9 +209,12 @@ class SelectiveSSM(nn.Module):
             x (Tensor): flat concatenation of chains, (L, D).
             reset (BoolTensor, optional): ``True`` at each chain start, (L,);
                 ``None`` means one chain. (default: :obj:`None`)
-            return_state (bool, optional): also return the recurrent state
-                after the last element, to continue the last chain with
-                :meth:`step`. (default: :obj:`False`)
+            state (SSMState, optional): one entry per chain (batch = number of chains):
+                chain ``c`` continues from ``state[c]`` exactly as if its earlier elements
+                had been scanned before (e.g. by :meth:`step`). (default: :obj:`None`, zero)
+            return_state (bool, optional): also return every chain's state after its
+                last element, an :class:`SSMState` with one entry per chain, to continue
+                with :meth:`step` or another call. (default: :obj:`False`)
         """
         if x.dim() != 2 or x.size(-1) != self.d_model:
             raise ValueError(f"{self.__class__.__name__}: x must have shape (L, {self.d_model}) "
@@ -218,23 +223,38 @@ class SelectiveSSM(nn.Module):
         if reset is not None and reset.shape != (L,):
             raise ValueError(f"{self.__class__.__name__}: reset must have shape ({L},) "
                              f"(got {tuple(reset.shape)})")
+        if L == 0:
+            if state is not None:
+                raise ValueError(f"{self.__class__.__name__}: a state needs at least one element per chain")
+            out = x.new_zeros(0, self.d_model)
+            return (out, self.init_state(0, x.device, x.dtype)) if return_state else out
         H, P, N = self.nheads, self.headdim, self.d_state
         starts = chain_starts(reset, L, x.device)  # (L,)
+        if state is not None:
+            self._check_state(state, int(starts.sum()))
         z, xBC, dt = self._split(self.in_proj(x))  # (L, d_inner), (L, conv_dim), (L, H)
-        xBC_act = F.silu(self._conv(xBC, starts))  # (L, conv_dim)
-        xs, B, C = torch.split(xBC_act, [self.d_inner, N, N], dim=-1)
+        conv, xp, pos = self._conv(xBC, starts, None if state is None else state.conv)
+        xs, B, C = torch.split(F.silu(conv), [self.d_inner, N, N], dim=-1)
         xs = xs.reshape(L, H, P)  # (L, H, P)
         dt = F.softplus(dt + self.dt_bias)  # (L, H)
         A = -torch.exp(self.A_log)  # (H,)
-        y, h = ssd_scan(xs, dt, A, B, C, starts, self.chunk_size,
-                        return_final_state=True)  # (L, H, P), (H, P, N)
+        if state is None and not return_state:  # training: zero start, no states kept
+            y = ssd_scan(xs, dt, A, B, C, starts, self.chunk_size)  # (L, H, P)
+        else:
+            h0 = state.ssm if state is not None else xs.new_zeros(int(starts.sum()), H, P, N)
+            y, h = ssd_scan_chains(xs, dt, A, B, C, starts, h0, self.chunk_size)  # (L, H, P), (C, H, P, N)
         y = y + xs * self.D.unsqueeze(-1)  # (L, H, P)
         out = self._gate_out(y.reshape(L, self.d_inner), z)  # (L, D)
         if not return_state:
             return out
-        if L == 0:
-            return out, self.init_state(1, x.device, x.dtype)
-        return out, SSMState(self._conv_tail(xBC, starts), h.unsqueeze(0))
+        return out, SSMState(self._conv_tails(xp, pos, starts), h)
+
+    def _check_state(self, state: SSMState, num_chains: int) -> None:
+        conv = (num_chains, self.d_conv - 1, self.conv_dim)
+        ssm = (num_chains, self.nheads, self.headdim, self.d_state)
+        if tuple(state.conv.shape) != conv or tuple(state.ssm.shape) != ssm:
+            raise ValueError(f"{self.__class__.__name__}: the state must hold one entry per chain: conv {conv} "
+                             f"and ssm {ssm} (got {tuple(state.conv.shape)} and {tuple(state.ssm.shape)})")
 
     def init_state(self, batch_size: int, device: torch.device | None = None,
                    dtype: torch.dtype | None = None) -> SSMState:

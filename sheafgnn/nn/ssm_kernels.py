@@ -297,11 +297,55 @@ def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
         x, dt, A, B, C = (t.float() for t in (x, dt, A, B, C))
     starts = chain_starts(reset, L, x.device)  # (L,)
     x, dt, B, C, starts = _pad_to_chunks(chunk_size, x, dt, B, C, starts)  # length T*Q
-    y, h_final = _scan_chunks(x, dt, A, B, C, starts, chunk_size)  # (T*Q, H, P), (H, P, N)
+    y, h_end = _scan_chunks(x, dt, A, B, C, starts, chunk_size)  # (T*Q, H, P), (T, H, P, N)
     y = y[:L].to(out_dtype)  # (L, H, P)
     if return_final_state:
-        return y, h_final.to(out_dtype)  # (L, H, P), (H, P, N)
+        return y, h_end[-1].to(out_dtype)  # (L, H, P), (H, P, N)
     return y
+
+
+def ssd_scan_chains(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, reset: Tensor | None,
+                    initial_state: Tensor, chunk_size: int = 64) -> tuple[Tensor, Tensor]:
+    r""":func:`ssd_scan` with a given state before each chain, returning every chain's final state.
+
+    Chain :math:`c` starts from :math:`\mathbf{h} = \mathbf{h}^{(c)}_0` instead of zero (the
+    continuation of a chain scanned before, e.g. by a stream). Each chain is laid out on
+    whole chunks (padded with no-op steps), so a chunk belongs to one chain: its initial
+    state enters where the chain's first chunk begins, and the state at the end of a
+    chain's last chunk is its final state. The chunk length is ``chunk_size``, or the
+    longest chain rounded up to a power of two if that is shorter (short chains, as in
+    generation, are not padded to a whole ``chunk_size``).
+
+    Shapes:
+        - **input:** as :func:`ssd_scan`, plus initial_state (num_chains, H, P, N)
+        - **output:** y (L, H, P), final states (num_chains, H, P, N)
+    """
+    _check_scan_inputs(x, dt, A, B, C, reset, chunk_size)
+    L, H, P = x.shape
+    N = B.size(1)
+    starts = chain_starts(reset, L, x.device)  # (L,)
+    first = torch.nonzero(starts).squeeze(1)  # (num_chains,)
+    if initial_state.shape != (first.numel(), H, P, N):
+        raise ValueError(f"ssd_scan_chains: initial_state must have shape {(first.numel(), H, P, N)} "
+                         f"(got {tuple(initial_state.shape)})")
+    out_dtype = x.dtype
+    if out_dtype in (torch.float16, torch.bfloat16):  # log decays need fp32, as in Mamba
+        x, dt, A, B, C, initial_state = (t.float() for t in (x, dt, A, B, C, initial_state))
+    length = torch.diff(first, append=first.new_tensor([L]))  # (num_chains,)
+    Q = min(chunk_size, 1 << (int(length.max()) - 1).bit_length())
+    chunks = (length + Q - 1) // Q  # (num_chains,) whole chunks per chain
+    chunk_start = torch.cumsum(chunks, 0) - chunks  # (num_chains,) first chunk of each chain
+    chain = starts.long().cumsum(0) - 1  # (L,)
+    slot = chunk_start[chain] * Q + torch.arange(L, device=x.device) - first[chain]  # (L,) padded position
+    T = int(chunks.sum())
+
+    def spread(t: Tensor) -> Tensor:  # (L, *) -> (T*Q, *), zeros (no-op steps) in the padding
+        return t.new_zeros((T * Q, *t.shape[1:])).index_copy(0, slot, t)
+
+    h0 = initial_state.new_zeros(T, H, P, N).index_copy(0, chunk_start, initial_state)  # (T, H, P, N)
+    y, h_end = _scan_chunks(spread(x), spread(dt), A, spread(B), spread(C), spread(starts), Q, h0)
+    final = h_end[chunk_start + chunks - 1]  # (num_chains, H, P, N)
+    return y[slot].to(out_dtype), final.to(out_dtype)
 
 
 def _pad_to_chunks(Q: int, x: Tensor, dt: Tensor, B: Tensor, C: Tensor,
@@ -319,10 +363,13 @@ def _pad_to_chunks(Q: int, x: Tensor, dt: Tensor, B: Tensor, C: Tensor,
 
 
 def _scan_chunks(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, starts: Tensor,
-                 Q: int) -> tuple[Tensor, Tensor]:
+                 Q: int, h0: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """:func:`ssd_scan` on a length that is a multiple of ``Q``.
 
-    Returns the outputs (T*Q, H, P) and the state after the last step (H, P, N).
+    With ``h0`` (T, H, P, N), chains are laid out on whole chunks (:func:`ssd_scan_chains`) and a chunk
+    whose first step starts a chain starts from its ``h0`` row instead of zero.
+
+    Returns the outputs (T*Q, H, P) and the state at the end of every chunk (T, H, P, N).
     """
     T = x.size(0) // Q  # number of chunks
     H, P, N = x.size(1), x.size(2), B.size(1)
@@ -351,17 +398,22 @@ def _scan_chunks(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, starts:
 
     # 3. pass states between chunks: h_end[c] = g[c] h_end[c-1] + S[c]
     g = torch.exp(a_cum[..., -1])  # (T, H): decay over a whole chunk
+    open_chain = chain == 0  # (T, Q): no chain start in [0, i]
+    if h0 is not None:  # a chunk is one chain's: a chain's initial state decays through its first chunk
+        S = S + g[..., None, None] * h0
+        open_chain = torch.ones_like(open_chain)
     g = g.masked_fill(startc.any(dim=1, keepdim=True), 0.0)  # a chain start cuts it
     h_end = _linear_scan(g, S)  # (T, H, P, N)
     h_start = torch.cat([torch.zeros_like(h_end[:1]), h_end[:-1]])  # (T, H, P, N)
+    if h0 is not None:
+        h_start = torch.where(startc[:, :1, None, None], h0, h_start)
 
     # 4. inter-chunk: y_i += exp(a_{0..i}) h_start C_i, until the first chain start
-    open_chain = chain == 0  # (T, Q): no chain start in [0, i]
     from_start = a_cum.masked_fill(~open_chain.unsqueeze(1), -math.inf)  # (T, H, Q)
     Cw = torch.exp(from_start).unsqueeze(-1) * Cc  # (T, H, Q, N): decay folded into C
     y = torch.baddbmm(y.view(T * H, Q, P), Cw.view(T * H, Q, N),
                       h_start.view(T * H, P, N).transpose(-1, -2)).view(T, H, Q, P)
-    return y.transpose(1, 2).reshape(T * Q, H, P), h_end[-1]
+    return y.transpose(1, 2).reshape(T * Q, H, P), h_end
 
 
 def ssd_scan_sequential(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
