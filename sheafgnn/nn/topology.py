@@ -106,55 +106,60 @@ def random_proposals(position: Tensor, graph_start: Tensor, count: int, seed: in
     return graph_start.view(-1, 1) + x % (position.view(-1, 1) + 1)
 
 
-@torch.no_grad()
-def content_blocks(query: Tensor, token_key: Tensor, position: Tensor, graph_start: Tensor,
-                   block_size: int, num_blocks: int, random_scores: bool = False) -> Tensor:
-    r"""The ``num_blocks`` best complete blocks before each destination (NSA / MoBA-style proposals).
+def block_summaries(token_key: Tensor, position: Tensor, graph_start: Tensor,
+                    block_size: int) -> tuple[Tensor, Tensor]:
+    """The complete blocks of every graph and their summary keys (the mean of the block's token keys).
 
-    Tokens are cut into blocks of ``block_size`` per graph (block ``j``:
-    positions ``[jB, jB + B)``). A block's summary key is the mean of its
-    tokens' keys (a prefix-sum difference); destination ``m`` at position
-    ``p`` scores the blocks with ``jB + B <= p`` by ``<q_m, k_block>`` and
-    takes the best ones. The choice is detached (no gradient passes a
-    hard top-k); the block summaries share ``W_k`` with the token scores,
-    so they sharpen as the token-level competition learns.
-
-    Args:
-        query (Tensor): (M, r) destination queries (one per token position, in token order).
-        token_key (Tensor): (num_tokens, r) token keys.
-        position (Tensor): (num_tokens,) position of each token in its graph.
-        graph_start (Tensor): (num_tokens,) global index of each token's graph's first token.
-        block_size (int): B.
-        num_blocks (int): blocks kept per destination.
-        random_scores (bool, optional): rank blocks by seeded noise instead (the random-score
-            ablation). (default: :obj:`False`)
+    Block ``j`` of a graph holds its positions ``[jB, jB + B)``; only complete blocks count.
 
     Returns:
-        (M, num_blocks) global index of each chosen block's first token, -1 where fewer
-        blocks qualify.
+        block_start (num_blocks,) global index of each block's first token (sorted), and
+        block_key (num_blocks, r).
     """
     n, B = token_key.size(0), block_size
     index = torch.arange(n, device=token_key.device)
     end = index + B - 1
     complete = (position % B == 0) & (end < n)
     complete &= graph_start[end.clamp(max=n - 1)] == graph_start
-    block_start = index[complete]  # (num_all_blocks,) sorted
-    out = torch.full((n, num_blocks), -1, dtype=torch.long, device=token_key.device)
-    if block_start.numel() == 0:
+    block_start = index[complete]  # (num_blocks,)
+    members = block_start.unsqueeze(1) + torch.arange(B, device=token_key.device)  # (num_blocks, B)
+    return block_start, token_key[members].mean(1)  # (num_blocks, r)
+
+
+@torch.no_grad()
+def best_blocks(query: Tensor, block_key: Tensor, block_start: Tensor, first: Tensor, last: Tensor,
+                num_blocks: int, random_scores: bool = False) -> Tensor:
+    r"""For each query row, the ``num_blocks`` best of the blocks ``first <= j < last`` by ``<q, k_block>``.
+
+    Scores are computed in chunks of rows, so memory stays O(chunk * num_blocks);
+    the choice is detached (no gradient passes a hard top-k).
+
+    Args:
+        query (Tensor): (M, r).
+        block_key (Tensor): (num_all_blocks, r) block summaries, in block order.
+        block_start (Tensor): (num_all_blocks,) index of each block's first token.
+        first (Tensor): (M,) first block each row may choose.
+        last (Tensor): (M,) one past the last block each row may choose.
+        num_blocks (int): blocks kept per row.
+        random_scores (bool, optional): rank blocks by seeded noise instead (the random-score
+            ablation). (default: :obj:`False`)
+
+    Returns:
+        (M, num_blocks) first token of each chosen block (best first), -1 where fewer blocks qualify.
+    """
+    M = query.size(0)
+    out = torch.full((M, num_blocks), -1, dtype=torch.long, device=query.device)
+    if block_start.numel() == 0 or M == 0:
         return out
-    prefix = torch.cat([token_key.new_zeros(1, token_key.size(1)), token_key.cumsum(0)])  # (n + 1, r)
-    block_key = (prefix[block_start + B] - prefix[block_start]) / B  # (num_all_blocks, r)
-    first = torch.searchsorted(block_start, graph_start)  # (n,) first block of the row's graph
-    last = first + position // B  # (n,) one past the last qualifying block
     rows = max(1, _SCORE_CHUNK // block_start.numel())
-    generator = torch.Generator(device=token_key.device).manual_seed(0) if random_scores else None
-    for a in range(0, n, rows):
-        b = min(n, a + rows)
-        lo, hi = int(first[a]), int(last[a:b].max())
+    generator = torch.Generator(device=query.device).manual_seed(0) if random_scores else None
+    for a in range(0, M, rows):
+        b = min(M, a + rows)
+        lo, hi = int(first[a:b].min()), int(last[a:b].max())
         if hi <= lo:
             continue
         if random_scores:
-            score = torch.rand(b - a, hi - lo, generator=generator, device=token_key.device)
+            score = torch.rand(b - a, hi - lo, generator=generator, device=query.device)
         else:
             score = query[a:b] @ block_key[lo:hi].T  # (rows, blocks)
         col = torch.arange(lo, hi, device=score.device)
@@ -164,6 +169,58 @@ def content_blocks(query: Tensor, token_key: Tensor, position: Tensor, graph_sta
         chosen = torch.where(torch.isfinite(top), block_start[lo + pick], -1)
         out[a:b, : chosen.size(1)] = chosen
     return out
+
+
+def content_blocks(query: Tensor, token_key: Tensor, position: Tensor, graph_start: Tensor,
+                   block_size: int, num_blocks: int, random_scores: bool = False) -> Tensor:
+    r"""The ``num_blocks`` best complete blocks before each destination (NSA / MoBA-style proposals).
+
+    Tokens are cut into blocks of ``block_size`` per graph (:func:`block_summaries`).
+    Destination ``m`` at position ``p`` scores the blocks with ``jB + B <= p`` by
+    ``<q_m, k_block>`` and takes the best ones (:func:`best_blocks`). The block
+    summaries share ``W_k`` with the token scores, so they sharpen as the
+    token-level competition learns.
+
+    Args:
+        query (Tensor): (M, r) destination queries (one per token position, in token order).
+        token_key (Tensor): (num_tokens, r) token keys.
+        position (Tensor): (num_tokens,) position of each token in its graph.
+        graph_start (Tensor): (num_tokens,) global index of each token's graph's first token.
+        block_size (int): B.
+        num_blocks (int): blocks kept per destination.
+        random_scores (bool, optional): rank blocks by seeded noise instead. (default: :obj:`False`)
+
+    Returns:
+        (M, num_blocks) global index of each chosen block's first token, -1 where fewer
+        blocks qualify.
+    """
+    block_start, block_key = block_summaries(token_key.detach(), position, graph_start, block_size)
+    first = torch.searchsorted(block_start, graph_start)  # (n,) first block of the row's graph
+    last = first + position // block_size  # (n,) one past the last qualifying block
+    return best_blocks(query.detach(), block_key, block_start, first, last, num_blocks, random_scores)
+
+
+def rule_pools(src: Tensor, dst: Tensor, edge_type: Tensor, num_dst: int) -> tuple[Tensor, Tensor]:
+    """Rule candidates listed edge by edge -> one padded row per destination.
+
+    Args:
+        src (Tensor): (E,) source of each candidate.
+        dst (Tensor): (E,) its destination in ``[0, num_dst)``, sorted.
+        edge_type (Tensor): (E,)
+        num_dst (int): destinations.
+
+    Returns:
+        sources (num_dst, W) (-1: padding) and their edge types (num_dst, W), in edge order;
+        W is the largest in-degree.
+    """
+    ptr = ptr_from_index(dst, num_dst)
+    width = int(ptr.diff().max()) if num_dst else 0
+    slot = torch.arange(src.numel(), device=src.device) - ptr[dst]
+    sources = torch.full((num_dst, width), -1, dtype=torch.long, device=src.device)
+    sources[dst, slot] = src
+    types = torch.zeros_like(sources)
+    types[dst, slot] = edge_type
+    return sources, types
 
 
 @dataclass
@@ -264,56 +321,94 @@ class LearnedTopology(nn.Module):
             return torch.randn(edge_type.shape, generator=generator, device=q.device)
         return (q * k).sum(-1) / math.sqrt(self.rank) + self.type_bias[edge_type]
 
+    def compete_sparse(self, score: Tensor, dst: Tensor, sink: Tensor) -> tuple[Tensor, Tensor]:
+        """The competition of destinations whose candidates are listed edge by edge.
+
+        Args:
+            score (Tensor): (E,) candidate scores, sorted by destination.
+            dst (Tensor): (E,) destination of each candidate, in ``[0, num_dst)``.
+            sink (Tensor): (num_dst,) each destination's "nothing" logit.
+
+        Returns:
+            keep (E,) the k best of each destination, and the softmax weights (E_kept,) of the kept ones.
+        """
+        keep = topk_per_group(score, dst, self.k)
+        num_dst = sink.numel()
+        logits = torch.cat([score[keep], sink])
+        index = torch.cat([dst[keep], torch.arange(num_dst, device=dst.device)])
+        weight = segment_softmax(logits, index, num_nodes=num_dst)[: logits.numel() - num_dst]
+        return keep, weight
+
+    def compete_dense(self, score: Tensor, sink: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The competition of destinations whose pools are rows of a dense (M, P) score matrix.
+
+        A stable sort, not topk: equal scores (a token proposed twice) rank by column, deterministically.
+
+        Args:
+            score (Tensor): (M, P) candidate scores, -inf at padding.
+            sink (Tensor): (M, 1) each destination's "nothing" logit.
+
+        Returns:
+            the kept scores (M, k) (-inf where a pool has fewer), their columns (M, k), and
+            their softmax weights (M, k) (0 where -inf).
+        """
+        top, pick = score.sort(dim=1, descending=True, stable=True)
+        top, pick = top[:, : self.k], pick[:, : self.k]  # (M, k)
+        weight = torch.cat([top, sink], 1).softmax(1)[:, :-1]  # (M, k): -inf -> 0
+        return top, pick, weight
+
+    def proposals(self, blocks: Tensor, token_pos: Tensor, graph_start: Tensor) -> tuple[Tensor, Tensor]:
+        """(M, P0) proposed source tokens of every output (-1: none) and their edge types:
+        the tokens of its chosen blocks, those of its own block up to itself (NSA's sliding window, so
+        that a match too recent for a complete block still has a candidate), then its random tokens.
+
+        Args:
+            blocks (Tensor): (M, content_blocks) first token index of each chosen block (-1: none).
+            token_pos (Tensor): (M,) position of each output in its graph.
+            graph_start (Tensor): (M,) token index of its graph's first token.
+        """
+        sources = []
+        if self.content_blocks:
+            offsets = torch.arange(self.block_size, device=blocks.device)
+            recent = (token_pos - token_pos % self.block_size).unsqueeze(1) + offsets  # (M, B) positions
+            recent = torch.where(recent <= token_pos.unsqueeze(1), recent + graph_start.unsqueeze(1), -1)
+            tokens = blocks.unsqueeze(-1) + offsets  # (M, m, B)
+            tokens = torch.where(blocks.unsqueeze(-1) >= 0, tokens, -1).flatten(1)  # (M, m * B)
+            sources += [tokens, recent]
+        num_content = sum(t.size(1) for t in sources)
+        if self.random_proposals:
+            sources.append(random_proposals(token_pos, graph_start, self.random_proposals, self.seed))
+        sources = torch.cat(sources, 1) if sources else blocks.new_zeros(blocks.size(0), 0)
+        types = torch.full_like(sources, self.random_type)
+        types[:, :num_content] = self.content_type
+        return sources, types
+
     def _patch_selection(self, q: Tensor, k: Tensor, inp: TopologyInput, return_candidates: bool):
         """Rule candidates into non-output destinations: sparse top-k per destination, softmax with the sink."""
         stop = int(inp.rule_ptr[inp.outputs.start])  # edges into outputs are the sorted tail
         src, dst = inp.rule_index[:, :stop]
         edge_type = inp.rule_type[:stop]
         score = self._score(q[dst], k[src], edge_type)  # (E_p,)
-        keep = topk_per_group(score, dst, self.k)
-        src, dst, edge_type, kept_score = src[keep], dst[keep], edge_type[keep], score[keep]
-        num_dst = inp.outputs.start
-        sink_index = torch.arange(num_dst, device=dst.device)
-        logits = torch.cat([kept_score, self.sink[inp.node_type[:num_dst]]])
-        weight = segment_softmax(logits, torch.cat([dst, sink_index]), num_nodes=num_dst)[: dst.numel()]
-        pool = (inp.rule_index[:, :stop], inp.rule_type[:stop], score) if return_candidates else None
-        return (src, dst, edge_type, weight, kept_score), pool, inp.rule_type[:stop]
+        keep, weight = self.compete_sparse(score, dst, self.sink[inp.node_type[: inp.outputs.start]])
+        pool = (inp.rule_index[:, :stop], edge_type, score) if return_candidates else None
+        return (src[keep], dst[keep], edge_type[keep], weight, score[keep]), pool, edge_type
 
     def _output_pool(self, q_out: Tensor, k: Tensor, inp: TopologyInput) -> tuple[Tensor, Tensor]:
         """(num_out, P) candidate sources of every output (-1: padding) and their edge types."""
-        num_out, out0 = q_out.size(0), inp.outputs.start
+        num_out, out0, tok0 = q_out.size(0), inp.outputs.start, inp.tokens.start
         start = int(inp.rule_ptr[out0])
         src, dst = inp.rule_index[:, start:]
-        dst = dst - out0
-        rule_ptr = inp.rule_ptr[out0:] - start  # (num_out + 1,)
-        width = int(rule_ptr.diff().max()) if num_out else 0
-        slot = torch.arange(src.numel(), device=src.device) - rule_ptr[dst]
-        rule_sources = torch.full((num_out, width), -1, dtype=torch.long, device=src.device)
-        rule_sources[dst, slot] = src
-        rule_types = torch.zeros_like(rule_sources)
-        rule_types[dst, slot] = inp.rule_type[start:]
+        rule_sources, rule_types = rule_pools(src, dst - out0, inp.rule_type[start:], num_out)
+        graph_start = inp.token_graph_start - tok0
+        blocks = torch.full((num_out, self.content_blocks), -1, dtype=torch.long, device=src.device)
+        if self.content_blocks:
+            blocks = content_blocks(q_out, k[inp.tokens], inp.token_pos, graph_start, self.block_size,
+                                    self.content_blocks, self.random_scores)  # (num_out, m)
+        sources, types = self.proposals(blocks, inp.token_pos, graph_start)
+        sources = torch.where(sources >= 0, sources + tok0, -1)
         # Proposals first, rules (whose width depends on the whole batch) last: a candidate's column,
         # and so its rank among equal scores, never depends on other destinations.
-        sources, types = [], []
-        tok0 = inp.tokens.start
-        if self.content_blocks:
-            # The tokens of the destination's own (incomplete) block, up to itself: NSA's sliding window,
-            # so that a match too recent for a complete block still has a candidate.
-            recent = (inp.token_pos - inp.token_pos % self.block_size).unsqueeze(1) + torch.arange(
-                self.block_size, device=src.device)  # (num_out, B) positions
-            recent = torch.where(recent <= inp.token_pos.unsqueeze(1), recent + inp.token_graph_start.unsqueeze(1), -1)
-            blocks = content_blocks(q_out, k[inp.tokens], inp.token_pos, inp.token_graph_start - tok0,
-                                    self.block_size, self.content_blocks, self.random_scores)  # (num_out, m)
-            tokens = blocks.unsqueeze(-1) + torch.arange(self.block_size, device=blocks.device)  # (num_out, m, B)
-            tokens = torch.where(blocks.unsqueeze(-1) >= 0, tokens + tok0, -1).flatten(1)  # (num_out, m * B)
-            tokens = torch.cat([tokens, recent], 1)  # (num_out, (m + 1) * B)
-            sources.append(tokens)
-            types.append(torch.full_like(tokens, self.content_type))
-        if self.random_proposals:
-            tokens = random_proposals(inp.token_pos, inp.token_graph_start, self.random_proposals, self.seed)
-            sources.append(tokens)
-            types.append(torch.full_like(tokens, self.random_type))
-        return torch.cat([*sources, rule_sources], 1), torch.cat([*types, rule_types], 1)
+        return torch.cat([sources, rule_sources], 1), torch.cat([types, rule_types], 1)
 
     def _output_selection(self, x: Tensor, q: Tensor, k: Tensor, inp: TopologyInput, return_candidates: bool):
         """Every output's pool (rules, content, random) in one dense (num_out, P) competition."""
@@ -323,11 +418,8 @@ class LearnedTopology(nn.Module):
         valid = sources >= 0
         score = self._score(q_out.unsqueeze(1), k[sources.clamp(min=0)], types)  # (num_out, P)
         score = score.masked_fill(~valid, float("-inf"))
-        # A stable sort, not topk: equal scores (a token proposed twice) rank by column, deterministically.
-        top, pick = score.sort(dim=1, descending=True, stable=True)
-        top, pick = top[:, : self.k], pick[:, : self.k]  # (num_out, k)
         sink = self.sink[inp.node_type[inp.outputs]].unsqueeze(1)  # (num_out, 1)
-        weight = torch.cat([top, sink], 1).softmax(1)[:, :-1]  # (num_out, k): -inf -> 0
+        top, pick, weight = self.compete_dense(score, sink)
         kept = torch.isfinite(top)
         dst = torch.arange(out0, out0 + q_out.size(0), device=q.device).unsqueeze(1)  # (num_out, 1)
         src, edge_type = sources.gather(1, pick), types.gather(1, pick)
