@@ -50,13 +50,14 @@ from torch_geometric.data import HeteroData
 from sheafgnn.config import ConfigFile
 from sheafgnn.nn.experts import PatchExperts
 from sheafgnn.nn.quant import apply_quant, validate_quant
-from sheafgnn.nn.segment import segment_mean
+from sheafgnn.nn.segment import ptr_from_index, segment_mean
 from sheafgnn.nn.sheaf import SheafConv
 from sheafgnn.nn.ssm import SelectiveSSM
 from sheafgnn.nn.topology import LearnedTopology, Selection, TopologyInput
-from sheafgnn.site.builder import build_site, validate_site
+from sheafgnn.site.builder import validate_site
 from sheafgnn.site.flat import FLAT_TYPES, FlatSite, flatten_site
 from sheafgnn.site.schema import GLUE_EDGES, NODE_TYPES, SiteConfig
+from sheafgnn.stream import LayerCache, SheafStream, StreamDelta, continue_chains, select_streamed
 
 
 @dataclass
@@ -165,6 +166,41 @@ class SheafBlock(nn.Module):
         h = torch.cat([h[tok] + self.broadcast(h[out]), h[tok.stop :]])  # broadcast: output t -> token t
         return h, {"balance": balance, "selection": chosen, "energy": energy}
 
+    def step(self, h: Tensor, delta: StreamDelta, cache: LayerCache) -> Tensor:
+        """:meth:`forward` for the new nodes of a stream batch only, from the cached states of old
+        ones (see :mod:`sheafgnn.stream`); returns the new nodes' states (N_new, D)."""
+        tok = slice(0, delta.token_ids.numel())
+        y, states = continue_chains(self.phi_token, self.norm_token(h[tok]), delta.token_reset,
+                                    [cache.token_ssm[b] for b in delta.token_streams])
+        for b, state in zip(delta.token_streams, states):
+            cache.token_ssm[b] = state
+        h_tok = h[tok] + y  # (T, D)
+        if not self.gluing:
+            update, _ = self.experts(self.norm_expert(h_tok), [0, h_tok.size(0)])
+            return h_tok + update
+        patches, out = slice(tok.stop, delta.type_ptr[-2]), delta.block("output")
+        cache.state.extend(delta.rows.numel())
+        cache.state.write(delta.rows[tok], h_tok)
+        h_patch = h[patches] + self.pool(segment_mean(cache.state.data[delta.cover_src], delta.cover_ptr))
+        num_chained = delta.chain_reset.numel()
+        h_chain = h_patch[:num_chained]
+        y, states = continue_chains(self.phi_patch, self.norm_patch(h_chain), delta.chain_reset,
+                                    [cache.chain_ssm[b].get(t) for b, t in delta.chains])
+        for (b, t), state in zip(delta.chains, states):
+            cache.chain_ssm[b][t] = state
+        h = torch.cat([h_tok, h_chain + y, h_patch[num_chained:], h[out] + h_tok])  # (N, D)
+        cache.state.write(delta.rows[patches], h[patches])
+
+        src, dst, edge_type, weight = select_streamed(self.topology, h, delta, cache)
+        # Gluing on [new nodes | one copy of each edge's source]: a node's output reads only its in-edges.
+        N = h.size(0)
+        local = torch.stack([N + torch.arange(src.numel(), device=h.device), dst])
+        glued = self.glue(torch.cat([h, cache.state.data[src]]), local, edge_type, weight,
+                          ptr=ptr_from_index(dst, N + src.numel()))[:N]
+        update, _ = self.experts(self.norm_expert(glued), delta.type_ptr)
+        h = glued + update
+        return torch.cat([h[tok] + self.broadcast(h[out]), h[tok.stop :]])
+
 
 class SheafStateLM(nn.Module):
     r"""The Sheaf-State Language Model.
@@ -214,15 +250,20 @@ class SheafStateLM(nn.Module):
             except ValueError as err:
                 raise ValueError(f"SheafStateLM: the input is not a valid causal site: {err}") from None
 
-    def _embed(self, data: HeteroData, site: FlatSite) -> Tensor:
-        tokens = self.token_embedding(data["token"].x) + self.type_embedding.weight[0]  # (num_tokens, D)
+    def embed(self, token_ids: Tensor, node_type: Tensor | None, type_ptr: list[int] | None,
+              topic: Tensor | None, register: Tensor | None) -> Tensor:
+        """Initial states of flat nodes (FLAT_TYPES order): token ids, the node types and type offsets,
+        the topic ids of the topic nodes and the registers of the workspace nodes; tokens only without
+        gluing (then the other arguments are ignored)."""
+        tokens = self.token_embedding(token_ids) + self.type_embedding.weight[0]  # (num_tokens, D)
         if not self.config.gluing:
             return tokens
-        h = self.type_embedding(site.node_type)  # (N, D)
-        extra = {"topic": self.topic_embedding(data["topic"].topic % self.config.num_topics),
-                 "workspace": self.register_embedding(data["workspace"].register)}
-        blocks = [h[site.block(t)] + extra[t] if t in extra else h[site.block(t)] for t in FLAT_TYPES[1:]]
-        return torch.cat([tokens, *blocks])  # (N, D)
+        h = self.type_embedding(node_type)  # (N, D)
+        extra = {"topic": self.topic_embedding(topic % self.config.num_topics),
+                 "workspace": self.register_embedding(register)}
+        blocks = [h[type_ptr[i] : type_ptr[i + 1]] for i in range(len(FLAT_TYPES))]
+        blocks = [blocks[i] + extra[t] if t in extra else blocks[i] for i, t in enumerate(FLAT_TYPES)]
+        return torch.cat([tokens, *blocks[1:]])  # (N, D)
 
     def _forward(self, data: HeteroData, return_candidates: bool = False) -> tuple[Tensor, list[dict], FlatSite]:
         """(output states (num_tokens, D), per-block infos, the flat site); R (:meth:`readout`) is left out."""
@@ -231,7 +272,8 @@ class SheafStateLM(nn.Module):
         if x.numel() and int(x.max()) >= self.config.vocab_size:
             raise ValueError(f"SheafStateLM: token id {int(x.max())} >= vocab_size {self.config.vocab_size}")
         site = flatten_site(data)
-        h = self._embed(data, site)  # (N, D), or (num_tokens, D) without gluing
+        h = self.embed(x, site.node_type, site.type_ptr, data["topic"].topic,
+                       data["workspace"].register)  # (N, D), or (num_tokens, D) without gluing
         infos = []
         for block in self.blocks:
             h, info = block(h, site, return_candidates)
@@ -309,31 +351,19 @@ class SheafStateLM(nn.Module):
             out[(src_type, rel, dst_type)] = entry
         return out
 
+    def stream(self, batch_size: int = 1, tokenizer=None) -> SheafStream:
+        """A :class:`~sheafgnn.stream.SheafStream` of ``batch_size`` independent streams: ``feed(ids)``
+        returns the logits of the fed positions (equal to the full forward's), constant work per token."""
+        return SheafStream(self, batch_size, tokenizer)
+
     @torch.no_grad()
     def generate(self, prompt_ids: Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, max_context: int = 4096, tokenizer=None) -> Tensor:
-        """Sample ``max_new_tokens`` after ``prompt_ids`` (1-D), rebuilding the site each step.
-
-        Rebuilding keeps generation exactly the model that was trained (the
-        site grows as text arrives); the cost is O(context) per step.
-        """
+                 top_k: int | None = None, generator: torch.Generator | None = None, tokenizer=None) -> Tensor:
+        """``prompt_ids`` (1-D) followed by ``max_new_tokens`` sampled ids, through :meth:`stream`."""
         if prompt_ids.dim() != 1 or prompt_ids.numel() == 0:
             raise ValueError(f"SheafStateLM.generate: prompt_ids must be a non-empty 1-D tensor "
                              f"(got shape {tuple(prompt_ids.shape)})")
-        if temperature <= 0:
-            raise ValueError(f"SheafStateLM.generate: temperature must be > 0 (got {temperature})")
-        was_training = self.training
-        self.eval()
-        ids = prompt_ids.long().cpu()
-        site_config = self.config.site_config
-        device = self.token_embedding.weight.device
-        for _ in range(max_new_tokens):
-            data = build_site(ids[-max_context:], site_config, tokenizer=tokenizer).to(device)
-            logits = self(data)[-1] / temperature  # (V,)
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            next_id = torch.multinomial(logits.softmax(-1), 1).cpu()
-            ids = torch.cat([ids, next_id])
-        self.train(was_training)
-        return ids
+        stream = self.stream(tokenizer=tokenizer)
+        stream.feed(prompt_ids)
+        new = stream.generate(max_new_tokens, temperature=temperature, top_k=top_k, generator=generator)
+        return torch.cat([prompt_ids.long().cpu(), new.cpu()])

@@ -1,0 +1,380 @@
+r"""Streaming inference for :class:`~sheafgnn.model.SheafStateLM`: constant work per new token.
+
+The site is causal by construction, so it grows by deltas
+(:class:`~sheafgnn.site.stream.SiteStream`): feeding tokens yields the new
+nodes (time in the new positions) and the edges into them, with the same ids
+as :func:`~sheafgnn.site.build_site` gives for the whole prefix. A block only
+ever reads states of nodes with ``time <= time[v]``, so the new nodes' states
+follow from the cached states of old ones::
+
+    feed(ids) per stream --SiteStream.push--> deltas --StreamDelta--> one flat batch of new nodes
+    per block l (SheafBlock.step):
+      Phi token chain      continues each stream's SSM state          (SelectiveSSM, state=...)
+      pool                 reads the cached token states of each new patch's span
+      Phi patch chains     continue each (stream, chained type)'s SSM state
+      choose               new destinations' pools from the cached keys: rule edges of the delta,
+                           content blocks (cached block summaries), own block, random tokens
+      G gluing             SheafConv on [new nodes | the sources they read]; rows of the new nodes
+      E, broadcast         node-wise
+    R                      logits of the new outputs
+
+**What is cached, per block:** the pre-gluing state and key of every node
+but the outputs (any of them can be a later source: random proposals reach
+any past token), the summary key of every complete content block, and the
+SSM state of the token chain and of every patch chain. Memory is
+O(nodes x (D + r)) per block, like a Transformer's KV cache.
+
+**Cost per new token:** the site delta, O(1) SSM steps, the new nodes'
+projections and pools (O(k) sources), and the content-block scores: one
+rank-r dot product per complete block before the token (O(n / B)), the
+only term that grows with the context (as the design states).
+
+Streamed logits equal the full forward's
+(``model(build_site(all ids so far))``) up to float rounding: the chunked
+scan and the step order sums differently. The random-score ablation is not
+streamable (its noise is drawn per forward pass).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from torch_geometric.data import HeteroData
+
+from sheafgnn.generation import TokenStream
+from sheafgnn.nn.segment import sort_by_destination
+from sheafgnn.nn.ssm import SSMState
+from sheafgnn.nn.topology import LearnedTopology, best_blocks, rule_pools
+from sheafgnn.site.flat import FLAT_TYPES
+from sheafgnn.site.schema import CANDIDATE_EDGES, CHAINED_TYPES, COVER_EDGES
+from sheafgnn.site.stream import SiteStream
+
+_NUM_CHAINED = len(CHAINED_TYPES)
+_OUTPUT = FLAT_TYPES.index("output")
+
+
+class RowBuffer:
+    """Rows of a tensor that grows geometrically: appends cost O(rows appended), amortised.
+
+    Args:
+        shape (tuple): the shape of one row (``()`` for scalars).
+        dtype (torch.dtype): element type.
+        device (torch.device, optional): where the rows live.
+    """
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device=None) -> None:
+        self._storage = torch.empty((16, *shape), dtype=dtype, device=device)
+        self.size = 0
+
+    @property
+    def data(self) -> Tensor:
+        """The rows so far, a view: (size, *shape)."""
+        return self._storage[: self.size]
+
+    def extend(self, n: int) -> Tensor:
+        """Allocate ``n`` rows (contents undefined until written); returns their indices."""
+        if self.size + n > self._storage.size(0):
+            capacity = max(2 * self._storage.size(0), self.size + n)
+            storage = self._storage.new_empty((capacity, *self._storage.shape[1:]))
+            storage[: self.size] = self.data
+            self._storage = storage
+        rows = torch.arange(self.size, self.size + n, device=self._storage.device)
+        self.size += n
+        return rows
+
+    def append(self, values: Tensor) -> Tensor:
+        rows = self.extend(values.size(0))
+        self._storage[rows] = values
+        return rows
+
+    def write(self, rows: Tensor, values: Tensor) -> None:
+        self._storage[rows] = values
+
+
+@dataclass
+class LayerCache:
+    """What one block keeps for a batch of streams."""
+
+    state: RowBuffer  # (rows, D) pre-gluing state of every non-output node of every stream
+    key: RowBuffer  # (rows, r) its topology key
+    block_key: list[RowBuffer]  # per stream: (complete blocks, r) content-block summaries
+    token_ssm: list[SSMState | None]  # per stream: the token chain's SSM state
+    chain_ssm: list[dict[str, SSMState]] = field(default_factory=list)  # per stream and chained type
+
+
+@dataclass
+class StreamDelta:
+    """The new nodes of a batch of streams, flat: node types in FLAT_TYPES order, each
+    type's block holding stream 0's new nodes, then stream 1's, ... (like a PyG batch).
+
+    Node "rows" index the caches (:class:`LayerCache`); every block appends the
+    new non-output nodes in this order, so a node has the same row in every block.
+    """
+
+    type_ptr: list[int]  # (num_types + 1,) block offsets of the new nodes
+    node_type: Tensor  # (N,)
+    token_ids: Tensor  # (T,) ids of the new tokens
+    topic: Tensor  # ids of the new topic nodes
+    register: Tensor  # register of the new workspace nodes
+    rows: Tensor  # (type_ptr[-2],) cache row of every new non-output node
+    token_streams: list[int]  # streams with new tokens, in order
+    token_reset: Tensor  # (T,) True at each stream's first new token
+    token_pos: Tensor  # (T,) position of each new token (and output) in its stream
+    previous_row: Tensor  # (T,) cache row of the token before each new token, -1 at position 0
+    cover_src: Tensor  # (C,) cache row of the token of each cover edge into a new patch
+    cover_ptr: Tensor  # (num_new_patches + 1,)
+    chains: list[tuple[int, str]]  # (stream, chained type) of every new patch chain, in order
+    chain_reset: Tensor  # (num_new_chained,)
+    rule_src: Tensor  # (E,) cache row of the source of each rule candidate into a new node
+    rule_dst: Tensor  # (E,) new node (delta index) of its destination, sorted
+    rule_type: Tensor  # (E,) index into CANDIDATE_EDGES
+    output_streams: list[tuple[int, slice]]  # per stream with new outputs: the slice of them
+    new_blocks: list[tuple[int, Tensor]]  # per stream: cache rows of the tokens of each new complete block
+    token_rows: list[Tensor]  # per stream: the cache row of each of its tokens so far, by position
+
+    @property
+    def num_nodes(self) -> int:
+        return self.type_ptr[-1]
+
+    def block(self, node_type: str) -> slice:
+        t = FLAT_TYPES.index(node_type)
+        return slice(self.type_ptr[t], self.type_ptr[t + 1])
+
+
+class SheafStream(TokenStream):
+    r"""A batch of independent streams of a :class:`~sheafgnn.model.SheafStateLM`.
+
+    ``feed(ids)`` returns the logits of the fed positions, equal to the full
+    forward's at those positions; ``generate(n)`` samples from it. See the
+    module docstring for what is cached and what a token costs. Created by
+    :meth:`SheafStateLM.stream <sheafgnn.model.SheafStateLM.stream>`.
+
+    Args:
+        model (SheafStateLM): the model (its weights are read, not copied).
+        batch_size (int, optional): independent streams. (default: :obj:`1`)
+        tokenizer (optional): maps ids to bytes for the site rules (default: byte tokenizer).
+    """
+
+    def __init__(self, model, batch_size: int = 1, tokenizer=None) -> None:
+        super().__init__(batch_size, model.config.vocab_size)
+        if model.config.gluing and any(block.topology.random_scores for block in model.blocks):
+            raise ValueError("SheafStream: the random-score ablation is not streamable (its noise is drawn "
+                             "per forward pass); switch random_scores off")
+        self.model = model
+        device = model.token_embedding.weight.device
+        self.device = device
+        self.sites = [SiteStream(model.config.site_config, tokenizer=tokenizer) for _ in range(batch_size)]
+        # Per stream and node type: the cache row of every node so far, by its id in the full site.
+        self.node_rows = [{t: RowBuffer((), torch.long, device) for t in FLAT_TYPES[:-1]}
+                          for _ in range(batch_size)]
+        self.num_rows = 0
+        D, dtype = model.config.d_model, model.token_embedding.weight.dtype
+        rank = model.config.topology_rank
+        self.caches = [LayerCache(RowBuffer((D,), dtype, device), RowBuffer((rank,), dtype, device),
+                                  [RowBuffer((rank,), dtype, device) for _ in range(batch_size)],
+                                  [None] * batch_size, [{} for _ in range(batch_size)])
+                       for _ in model.blocks]
+
+    def _feed(self, ids: list[Tensor]) -> list[Tensor]:
+        if not any(x.numel() for x in ids):
+            return [self.model.token_embedding.weight.new_zeros(0, self.vocab_size) for _ in ids]
+        if not self.model.config.gluing:
+            return self._feed_tokens_only(ids)
+        deltas = [site.push(x) if x.numel() else None for site, x in zip(self.sites, ids)]
+        delta = self._delta(deltas)
+        model = self.model
+        h = model.embed(delta.token_ids.to(self.device), delta.node_type, delta.type_ptr,
+                        delta.topic.to(self.device), delta.register.to(self.device))  # (N, D)
+        for block, cache in zip(model.blocks, self.caches):
+            h = block.step(h, delta, cache)
+        logits = model.readout(h[delta.block("output")])  # (T, V)
+        return list(logits.split([x.numel() for x in ids]))
+
+    def _feed_tokens_only(self, ids: list[Tensor]) -> list[Tensor]:
+        """The ssm ablation (gluing off): the token chain only."""
+        lengths = [x.numel() for x in ids]
+        streams = [b for b, n in enumerate(lengths) if n]
+        token_ids = torch.cat(ids).to(self.device)
+        reset = torch.zeros(token_ids.numel(), dtype=torch.bool, device=self.device)
+        reset[[sum(lengths[:b]) for b in streams]] = True  # each stream's first new token
+        delta = _TokensOnly(token_ids, reset, streams)
+        h = self.model.embed(token_ids, None, None, None, None)
+        for block, cache in zip(self.model.blocks, self.caches):
+            h = block.step(h, delta, cache)
+        return list(self.model.readout(h).split([x.numel() for x in ids]))
+
+    # ------------------------------------------------------------------ #
+    # the flat delta of a batch
+    # ------------------------------------------------------------------ #
+    def _delta(self, deltas: list[HeteroData | None]) -> StreamDelta:
+        device, B = self.device, self.batch_size
+        counts = [[d[t].num_nodes if d is not None else 0 for d in deltas] for t in FLAT_TYPES]
+        type_ptr = [0]
+        for per_stream in counts:
+            type_ptr.append(type_ptr[-1] + sum(per_stream))
+        # Delta index of stream b's first new node of each type.
+        first = {t: [type_ptr[i] + sum(counts[i][:b]) for b in range(B)] for i, t in enumerate(FLAT_TYPES)}
+        num_rows = type_ptr[_OUTPUT]  # outputs are never sources: no rows
+        rows = torch.arange(self.num_rows, self.num_rows + num_rows, device=device)
+        for i, t in enumerate(FLAT_TYPES[:-1]):
+            for b in range(B):
+                if counts[i][b]:
+                    self.node_rows[b][t].append(rows[first[t][b] : first[t][b] + counts[i][b]])
+        self.num_rows += num_rows
+
+        def concat(store_attr: tuple[str, str]) -> Tensor:
+            node_type, attr = store_attr
+            parts = [d[node_type][attr] for d in deltas if d is not None]
+            return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+        sizes = torch.tensor([type_ptr[i + 1] - type_ptr[i] for i in range(len(FLAT_TYPES))], device=device)
+        node_type = torch.repeat_interleave(torch.arange(len(FLAT_TYPES), device=device), sizes)
+        token_pos = concat(("token", "pos")).to(device)
+        token_streams = [b for b in range(B) if counts[0][b]]
+        token_reset = torch.zeros(token_pos.numel(), dtype=torch.bool, device=device)
+        token_reset[[first["token"][b] for b in token_streams]] = True
+        previous = [self._rows(b, "token", (d["token"].pos - 1).clamp(min=0).to(device))
+                    for b, d in enumerate(deltas) if d is not None]
+        previous_row = torch.where(token_pos > 0, torch.cat(previous), -1) if previous else token_pos
+        cover_src, _, _, cover_ptr = self._edges(deltas, first, COVER_EDGES, type_ptr)
+        cover_ptr = cover_ptr[type_ptr[1] : type_ptr[_OUTPUT] + 1]  # over the new patches
+        rule_src, rule_dst, rule_type, _ = self._edges(deltas, first, CANDIDATE_EDGES, type_ptr)
+        chains = [(b, t) for t in CHAINED_TYPES for b in range(B) if counts[FLAT_TYPES.index(t)][b]]
+        chain_sizes = [counts[FLAT_TYPES.index(t)][b] for b, t in chains]
+        chain_reset = torch.zeros(sum(chain_sizes), dtype=torch.bool, device=device)
+        chain_reset[torch.tensor([0] + chain_sizes[:-1], device=device).cumsum(0)[: len(chains)]] = True
+        out0 = type_ptr[_OUTPUT]
+        output_streams = [(b, slice(first["output"][b] - out0, first["output"][b] - out0 + counts[_OUTPUT][b]))
+                          for b in range(B) if counts[_OUTPUT][b]]
+        new_blocks = self._new_blocks(deltas)
+        return StreamDelta(type_ptr, node_type, concat(("token", "x")), concat(("topic", "topic")),
+                           concat(("workspace", "register")), rows, token_streams, token_reset, token_pos,
+                           previous_row, cover_src, cover_ptr, chains, chain_reset, rule_src, rule_dst,
+                           rule_type, output_streams, new_blocks,
+                           [rows["token"].data for rows in self.node_rows])
+
+    def _rows(self, b: int, node_type: str, ids: Tensor) -> Tensor:
+        """Cache rows of stream ``b``'s nodes of a type, by their ids in the full site."""
+        return self.node_rows[b][node_type].data[ids]
+
+    def _edges(self, deltas, first, edge_types, type_ptr) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Source rows, destination delta indices and type ids of the deltas' edges of the given types,
+        sorted by destination (stably: per destination in ``edge_types`` order, like ``flatten_site``),
+        and the destination CSR pointer over the new nodes."""
+        src, dst, types = [], [], []
+        for i, (src_type, rel, dst_type) in enumerate(edge_types):
+            for b, d in enumerate(deltas):
+                if d is None or d[src_type, rel, dst_type].edge_index.numel() == 0:
+                    continue
+                s, t = d[src_type, rel, dst_type].edge_index.to(self.device)
+                src.append(self._rows(b, src_type, s))
+                dst.append(first[dst_type][b] + t - d[dst_type].node_offset)
+                types.append(torch.full_like(s, i))
+        empty = torch.zeros(0, dtype=torch.long, device=self.device)
+        src, dst, types = (torch.cat(x) if x else empty for x in (src, dst, types))
+        edge_index, types, ptr = sort_by_destination(torch.stack([src, dst]), types, num_nodes=type_ptr[-1])
+        return edge_index[0], edge_index[1], types, ptr
+
+    def _new_blocks(self, deltas) -> list[tuple[int, Tensor]]:
+        """Per stream, the cache rows of the tokens of every content block completed by this feed."""
+        B = self.model.config.proposal_block
+        out = []
+        for b, d in enumerate(deltas):
+            if d is None or not self.model.config.content_blocks:
+                continue
+            done = self.node_rows[b]["token"].size // B  # complete blocks after this feed
+            start = self.caches[0].block_key[b].size
+            if done > start:
+                positions = torch.arange(start * B, done * B, device=self.device)
+                out.append((b, self._rows(b, "token", positions).view(done - start, B)))
+        return out
+
+
+@dataclass
+class _TokensOnly:
+    """The delta of the ssm ablation: new tokens only."""
+
+    token_ids: Tensor
+    token_reset: Tensor
+    token_streams: list[int]
+
+
+def continue_chains(ssm, x: Tensor, reset: Tensor, states: list[SSMState | None]) -> tuple[Tensor, list[SSMState]]:
+    """Run the SSM ``ssm`` over chains that continue from ``states`` (None: a fresh chain);
+    returns the outputs and every chain's new state (batch 1 each)."""
+    if not states:  # no chain has new elements
+        return x, []
+    fresh = ssm.init_state(1, x.device, x.dtype)
+    states = [fresh if s is None else s for s in states]
+    state = SSMState(torch.cat([s.conv for s in states]), torch.cat([s.ssm for s in states]))
+    y, new = ssm(x, reset, state=state, return_state=True)
+    return y, [SSMState(new.conv[i : i + 1], new.ssm[i : i + 1]) for i in range(len(states))]
+
+
+def select_streamed(topology: LearnedTopology, h: Tensor, delta: StreamDelta,
+                    cache: LayerCache) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The learned topology's choice for the new destinations of a delta, from the caches.
+
+    Mirrors :meth:`LearnedTopology.forward` (same pools, in the same column order, same
+    competitions); writes the new nodes' keys and the new content blocks' summaries to the cache.
+
+    Returns:
+        source rows (E,), destination delta indices (E,) sorted, edge types (E,), weights (E,).
+    """
+    num_rows = delta.rows.numel()
+    tok = delta.block("token")
+    q = topology.query(h)  # (N, r)
+    key = topology.key(h[:num_rows])  # (rows, r)
+    previous = cache.state.data[delta.previous_row.clamp(min=0)]  # (T, D)
+    previous = previous.masked_fill((delta.previous_row < 0).unsqueeze(1), 0.0)
+    key[tok] = key[tok] + topology.key_previous(previous)
+    cache.key.extend(num_rows)
+    cache.key.write(delta.rows, key)
+    for b, members in delta.new_blocks:
+        cache.block_key[b].append(cache.key.data[members].mean(1))
+
+    # Non-output destinations: their rule candidates, edge by edge.
+    out0 = delta.type_ptr[_OUTPUT]
+    into_patch = delta.rule_dst < out0
+    src, dst, types = delta.rule_src[into_patch], delta.rule_dst[into_patch], delta.rule_type[into_patch]
+    score = topology._score(q[dst], cache.key.data[src], types)
+    keep, weight = topology.compete_sparse(score, dst, topology.sink[delta.node_type[:out0]])
+    patch_edges = (src[keep], dst[keep], types[keep], weight)
+
+    # Outputs: one dense pool each (proposals, then rules), as LearnedTopology._output_pool.
+    q_out = q[out0:]  # (M, r)
+    sources, types = _output_proposals(topology, q_out, delta, cache)
+    into_output = delta.rule_dst >= out0
+    rule_sources, rule_types = rule_pools(delta.rule_src[into_output], delta.rule_dst[into_output] - out0,
+                                          delta.rule_type[into_output], q_out.size(0))
+    sources, types = torch.cat([sources, rule_sources], 1), torch.cat([types, rule_types], 1)
+    valid = sources >= 0
+    score = topology._score(q_out.unsqueeze(1), cache.key.data[sources.clamp(min=0)], types)  # (M, P)
+    sink = topology.sink[delta.node_type[out0:]].unsqueeze(1)  # (M, 1)
+    top, pick, weight = topology.compete_dense(score.masked_fill(~valid, float("-inf")), sink)
+    kept = torch.isfinite(top)
+    out_dst = torch.arange(out0, out0 + q_out.size(0), device=q.device).unsqueeze(1).expand_as(top)
+    output_edges = (sources.gather(1, pick)[kept], out_dst[kept], types.gather(1, pick)[kept], weight[kept])
+    return tuple(torch.cat([a, b]) for a, b in zip(patch_edges, output_edges))
+
+
+def _output_proposals(topology: LearnedTopology, q_out: Tensor, delta: StreamDelta,
+                      cache: LayerCache) -> tuple[Tensor, Tensor]:
+    """(M, P0) cache rows of every new output's proposed tokens (-1: none) and their edge types."""
+    B, m = topology.block_size, topology.content_blocks
+    sources, types = [], []
+    for b, outputs in delta.output_streams:
+        pos = delta.token_pos[outputs]  # (M_b,) output i sits at the position of token i
+        zero = torch.zeros_like(pos)
+        blocks = torch.full((pos.numel(), m), -1, dtype=torch.long, device=pos.device)
+        if m:
+            block_key = cache.block_key[b].data  # (complete blocks, r)
+            block_start = torch.arange(block_key.size(0), device=pos.device) * B
+            blocks = best_blocks(q_out[outputs], block_key, block_start, zero, pos // B, m)
+        tokens, kinds = topology.proposals(blocks, pos, zero)  # positions in stream b
+        rows = delta.token_rows[b][tokens.clamp(min=0)]
+        sources.append(torch.where(tokens >= 0, rows, -1))
+        types.append(kinds)
+    return torch.cat(sources), torch.cat(types)

@@ -1,0 +1,105 @@
+"""SheafStream: streamed logits equal the full forward's; batches equal single streams; generation."""
+
+import pytest
+import torch
+
+from sheafgnn.model import SheafStateLM
+from sheafgnn.site import build_site
+
+from .conftest import CODE, PROSE, small_model_config
+
+
+def _model(full_config, seed: int = 0, **kwargs) -> SheafStateLM:
+    torch.manual_seed(seed)
+    model = SheafStateLM(small_model_config(full_config, **kwargs)).eval()
+    with torch.no_grad():  # the sinks, type biases and eps start at zero: make every term matter
+        for name, p in model.named_parameters():
+            if name.endswith(("sink", "type_bias", "eps")):
+                p.normal_(0.0, 0.5)
+    return model
+
+
+def _full_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """The reference: rebuild the site of the whole prefix and run the full forward."""
+    with torch.no_grad():
+        return model(build_site(ids, model.config.site_config))
+
+
+def _streamed(stream, ids: torch.Tensor, chunk: int) -> torch.Tensor:
+    return torch.cat([stream.feed(ids[i : i + chunk]) for i in range(0, ids.numel(), chunk)])
+
+
+@pytest.mark.parametrize("text", [PROSE, CODE], ids=["prose", "code"])
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_stream_equals_full_forward(full_config, text, chunk):
+    model = _model(full_config)
+    ids = torch.tensor(list(text.encode()))
+    streamed = _streamed(model.stream(), ids, chunk)
+    assert streamed.shape == (ids.numel(), model.config.vocab_size)
+    torch.testing.assert_close(streamed, _full_logits(model, ids), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("map_kind,num_experts", [("orthogonal", 2), ("diag", 2), ("general", 1)])
+def test_stream_equals_full_forward_every_map_kind(full_config, map_kind, num_experts):
+    model = _model(full_config, map_kind=map_kind, num_experts=num_experts, proposal_block=4, content_blocks=3)
+    ids = torch.tensor(list((PROSE + CODE).encode()))[:300]
+    streamed = _streamed(model.stream(), ids, 13)
+    torch.testing.assert_close(streamed, _full_logits(model, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_stream_of_the_ssm_ablation(full_config):
+    model = _model(full_config, gluing=False)
+    ids = torch.tensor(list(CODE.encode()))
+    torch.testing.assert_close(_streamed(model.stream(), ids, 5), _full_logits(model, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_batch_of_streams_equals_streams_one_at_a_time(full_config):
+    model = _model(full_config)
+    texts = [torch.tensor(list(t.encode()))[:n] for t, n in ((PROSE, 150), (CODE, 90), (PROSE[40:], 200))]
+    batch = model.stream(batch_size=3)
+    fed = [[] for _ in texts]
+    for step, size in enumerate((17, 1, 40, 0, 64, 3, 200)):  # streams advance by different amounts
+        chunks = [t[sum(len(c) for c in f) :][: size + b * (step % 3)] for b, (t, f) in enumerate(zip(texts, fed))]
+        for b, logits in enumerate(batch.feed(chunks)):
+            assert logits.shape == (chunks[b].numel(), model.config.vocab_size)
+            fed[b].append(logits)
+    for t, f in zip(texts, fed):
+        single = _streamed(model.stream(), t, 11)
+        torch.testing.assert_close(torch.cat(f), single, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(single, _full_logits(model, t), atol=1e-4, rtol=1e-4)
+
+
+def test_generate_follows_the_rebuilt_model(full_config):
+    """generate() samples through the stream; the logits along what it produced equal the rebuilt forward's."""
+    model = _model(full_config)
+    prompt = torch.tensor(list(b"The cat sat on the mat. "))
+    out = model.generate(prompt, max_new_tokens=20, top_k=5, generator=torch.Generator().manual_seed(0))
+    assert out.shape == (prompt.numel() + 20,) and torch.equal(out[: prompt.numel()], prompt)
+    again = model.generate(prompt, max_new_tokens=20, top_k=5, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(out, again)
+    stream = model.stream()
+    torch.testing.assert_close(_streamed(stream, out, 1), _full_logits(model, out), atol=1e-4, rtol=1e-4)
+    greedy = model.generate(prompt, max_new_tokens=8, top_k=1)
+    for t in range(prompt.numel(), greedy.numel()):  # top-k 1 is the rebuilt model's argmax
+        assert int(greedy[t]) == int(_full_logits(model, greedy[:t])[-1].argmax())
+    with pytest.raises(ValueError, match="non-empty 1-D"):
+        model.generate(torch.zeros(0, dtype=torch.long), 3)
+
+
+def test_stream_refuses_the_random_score_ablation(full_config):
+    model = _model(full_config)
+    model.blocks[0].topology.random_scores = True
+    with pytest.raises(ValueError, match="not streamable"):
+        model.stream()
+
+
+def test_bad_feed_loses_nothing(full_config):
+    model = _model(full_config)
+    ids = torch.tensor(list(PROSE.encode()))[:60]
+    stream = model.stream()
+    first = stream.feed(ids[:30])
+    for bad in (ids.view(2, 30), ids.float(), torch.tensor([300])):
+        with pytest.raises((ValueError, TypeError)):
+            stream.feed(bad)
+    rest = stream.feed(ids[30:])
+    torch.testing.assert_close(torch.cat([first, rest]), _full_logits(model, ids), atol=1e-4, rtol=1e-4)
