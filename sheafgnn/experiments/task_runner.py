@@ -81,6 +81,7 @@ from sheafgnn.experiments.report import (
 from sheafgnn.experiments.tasks import IGNORE_INDEX, induction_heads, mqar, selective_copying
 from sheafgnn.lm import MODEL_KINDS, build_model, count_model_parameters, matched_options, print_parameter_counts
 from sheafgnn.memory import keep_freed_memory
+from sheafgnn.model import SheafStateConfig
 from sheafgnn.site import SiteConfig, build_site
 from sheafgnn.train import cosine_lr, param_groups, resolve_device, train_step
 
@@ -387,7 +388,8 @@ def run_tasks(config: TasksConfig) -> dict:
 # Report
 # ---------------------------------------------------------------------------
 
-SUMMARY_KEY = ("task", "seq_len", "train_len", "pairs", "vocab", "model", "hash_retrieval")  # one row per key
+SUMMARY_KEY = ("task", "seq_len", "train_len", "pairs", "vocab", "model", "hash_retrieval", "topology_rank",
+               "lr")  # one row per key
 
 
 def _summary_key(row: dict) -> tuple:
@@ -400,15 +402,18 @@ def _summary_order(row: dict) -> tuple:
 
 def summary_rows(report: dict) -> list[dict]:
     """One row per task, test length and model: ``task, seq_len, train_len, pairs, vocab, model,
-    hash_retrieval, accuracy, steps, tokens, seconds`` (``pairs``: MQAR only; ``hash_retrieval``: whether
-    the sheaf model's site had its hash retrieval rule, False for the models that read ids only)."""
+    hash_retrieval, topology_rank, lr, accuracy, steps, tokens, seconds`` (``pairs``: MQAR only;
+    ``hash_retrieval``: whether the sheaf model's site had its hash retrieval rule, False for the models
+    that read ids only; ``topology_rank``: the sheaf model's, None for the others)."""
     cfg, rows = report["config"], []
+    rank = {**SheafStateConfig().to_dict(), **cfg["sheaf"]}["topology_rank"]
     for task, r in report["tasks"].items():
         for kind, m in r["models"].items():
             for length, accuracy in m["accuracy"].items():
                 rows.append({"task": task, "seq_len": int(length), "train_len": r["train_len"],
                              "pairs": cfg["mqar_pairs"] if task == "mqar" else None, "vocab": r["vocab_size"],
                              "model": kind, "hash_retrieval": bool(cfg["hash_retrieval"]) and kind == "sheaf",
+                             "topology_rank": rank if kind == "sheaf" else None, "lr": cfg["lr"],
                              "accuracy": accuracy, "steps": cfg["steps"],
                              "tokens": cfg["steps"] * cfg["batch_size"] * r["train_len"], "seconds": m["train_s"]})
     return sorted(rows, key=_summary_order)
