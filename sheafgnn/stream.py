@@ -309,7 +309,10 @@ def continue_chains(ssm, x: Tensor, reset: Tensor, states: list[SSMState | None]
     fresh = ssm.init_state(1, x.device, x.dtype)
     states = [fresh if s is None else s for s in states]
     state = SSMState(torch.cat([s.conv for s in states]), torch.cat([s.ssm for s in states]))
-    y, new = ssm(x, reset, state=state, return_state=True)
+    if x.size(0) == len(states):  # one new element per chain (generation): the recurrent step
+        y, new = ssm.step(x, state)
+    else:
+        y, new = ssm(x, reset, state=state, return_state=True)
     return y, [SSMState(new.conv[i : i + 1], new.ssm[i : i + 1]) for i in range(len(states))]
 
 

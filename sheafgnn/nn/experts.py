@@ -86,10 +86,14 @@ class PatchExperts(nn.Module):
             raise ValueError(f"PatchExperts: type_ptr must have {self.num_types + 1} entries (got {len(type_ptr)})")
         outs, balance = [], x.new_zeros(())
         for t in range(self.num_types):  # a loop per node type
+            # Inference skips a type without nodes (a stream's step has few); training still runs it, so
+            # that its weights get (zero) gradients and the optimizer treats every step alike.
+            if type_ptr[t] == type_ptr[t + 1] and not torch.is_grad_enabled():
+                continue
             out, loss = self._route(t, x[type_ptr[t] : type_ptr[t + 1]])
             outs.append(out)
             balance = balance + loss
-        return torch.cat(outs), balance / self.num_types
+        return (torch.cat(outs) if outs else torch.zeros_like(x)), balance / self.num_types
 
     def __repr__(self) -> str:
         return (f"{self.__class__.__name__}({self.channels}, num_types={self.num_types}, "

@@ -1,0 +1,199 @@
+"""Generation cost against context length, measured in one run.
+
+For every context length n (default 1k, 4k, 8k, 16k, 32k, 64k) a prompt of n
+tokens of the embedded corpus is fed, then ``--steps`` tokens are sampled;
+the per-token latency is the median wall time of one sampling step (sample
+from the last logits, feed the token back):
+
+- ``sheaf``: the streaming :class:`~sheafgnn.stream.SheafStream` (cached
+  states, SSM recurrences, the site grown by deltas);
+- ``dense``: the matched-parameter Transformer with its KV cache (the
+  comparison a Transformer user would run; sizes as in ``sheafgnn compare``:
+  sheaf d_model 128, dense matched within 10%, 2 layers);
+- ``rebuild``: the old path, rebuilding the site of the whole context and
+  running the full forward for every token (only up to ``--rebuild-max``).
+
+Batch 1 at every n, and batch 16 (16 streams whose prompts differ in length
+by one token each) up to ``--batch-max``. "Memory held" is the bytes of the
+tensors a stream keeps after the prompt (caches and recurrent states), per
+stream. Prefill is fed in one call and its time is reported too.
+
+Targets (issue 11), in this run: sheaf per-token latency at 32k within 1.5x
+of its latency at 1k; sheaf >= 5x dense-with-KV-cache tokens/s at 32k;
+sheaf >= 100x the rebuild path at 8k.
+
+Usage::
+
+    python benchmarks/bench_generate.py [--out benchmarks/results] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+
+from sheafgnn.data import corpus_text  # noqa: E402
+from sheafgnn.generation import sample_next  # noqa: E402
+from sheafgnn.lm import build_model, matched_options  # noqa: E402
+from sheafgnn.site import build_site  # noqa: E402
+
+
+def corpus_ids(n: int) -> torch.Tensor:
+    raw = corpus_text("mixed", "train").encode()
+    raw = raw * (n // len(raw) + 2)
+    return torch.tensor(list(raw[:n]), dtype=torch.long)
+
+
+def held_bytes(obj, seen: set | None = None) -> int:
+    """Bytes of the distinct tensor storages reachable from ``obj``'s attributes, lists and dicts
+    (module parameters excluded: they are the model's, not the stream's)."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.nn.Module) or id(obj) in seen:
+        return 0
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        storage = obj.untyped_storage()
+        key = ("storage", storage.data_ptr())
+        if key in seen:
+            return 0
+        seen.add(key)
+        return storage.nbytes()
+    if isinstance(obj, dict):
+        return sum(held_bytes(v, seen) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(held_bytes(v, seen) for v in obj)
+    if hasattr(obj, "__dict__"):
+        return held_bytes(vars(obj), seen)
+    return 0
+
+
+def stream_latency(model, ids: torch.Tensor, batch: int, steps: int) -> dict:
+    """Prefill ``batch`` streams (prompt b: ``ids[b:]``) and time ``steps`` sampling steps."""
+    stream = model.stream(batch_size=batch)
+    prompts = [ids[b:] for b in range(batch)]
+    start = time.perf_counter()
+    stream.feed(prompts[0] if batch == 1 else prompts)
+    prefill = time.perf_counter() - start
+    generator = torch.Generator().manual_seed(0)
+    times = []
+    tokens = stream.sample(steps + 1, generator=generator)
+    next(tokens)  # the first step also warms up
+    while True:
+        start = time.perf_counter()
+        try:
+            next(tokens)
+        except StopIteration:
+            break
+        times.append(time.perf_counter() - start)
+    latency = statistics.median(times)
+    return {"prefill_s": prefill, "latency_s": latency, "tokens_per_s": batch / latency,
+            "held_bytes_per_stream": held_bytes(stream) / batch}
+
+
+def rebuild_latency(model, ids: torch.Tensor, steps: int) -> dict:
+    """The old path: rebuild the site of the whole context and run the full forward, per token."""
+    generator = torch.Generator().manual_seed(0)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        with torch.no_grad():
+            logits = model(build_site(ids, model.config.site_config))[-1:]
+        ids = torch.cat([ids, sample_next(logits, generator=generator)])
+        times.append(time.perf_counter() - start)
+    latency = statistics.median(times)
+    return {"latency_s": latency, "tokens_per_s": 1 / latency}
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for (kind, batch), style in zip(sorted({(r["model"], r["batch"]) for r in rows}), ("o-", "s-", "^-", "v--", "d:")):
+        sel = sorted((r for r in rows if r["model"] == kind and r["batch"] == batch), key=lambda r: r["n"])
+        label = f"{kind}, batch {batch}"
+        axes[0].plot([r["n"] for r in sel], [1e3 * r["latency_s"] for r in sel], style, label=label)
+        axes[1].plot([r["n"] for r in sel], [r["tokens_per_s"] for r in sel], style, label=label)
+    for ax, ylabel in zip(axes, ("ms per generation step", "generated tokens / s")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[1].legend(fontsize=8)
+    fig.suptitle("Generation: sheaf stream vs dense KV cache vs rebuilding the site per token")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 8192, 16384, 32768, 65536])
+    parser.add_argument("--steps", type=int, default=16, help="timed sampling steps per point (default: 16)")
+    parser.add_argument("--batch", type=int, default=16, help="the batched streams (default: 16)")
+    parser.add_argument("--batch-max", type=int, default=16384, help="largest n run at --batch (default: 16k)")
+    parser.add_argument("--rebuild-sizes", type=int, nargs="+", default=[1024, 8192],
+                        help="contexts of the rebuild path (default: 1k 8k)")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    options, counts = matched_options(("sheaf", "dense"), {"d_model": 128, "n_layers": 2}, 256, n_heads=4,
+                                      window=256)
+    models = {}
+    for kind in ("sheaf", "dense"):
+        torch.manual_seed(0)
+        models[kind] = build_model(kind, options[kind], 256, {} if kind == "sheaf" else {"patch_types": []}).eval()
+    ids = corpus_ids(max(args.sizes + args.rebuild_sizes) + args.batch)
+    rows = []
+    for n in args.sizes:
+        for batch in (1, args.batch) if n <= args.batch_max else (1,):
+            for kind, model in models.items():
+                row = {"model": kind, "n": n, "batch": batch,
+                       **stream_latency(model, ids[: n + batch - 1], batch, args.steps)}
+                rows.append(row)
+                print(f"  {kind:<6} n={n:>6} batch {batch:>2}: {1e3 * row['latency_s']:8.2f} ms/step, "
+                      f"{row['tokens_per_s']:9.1f} tokens/s, prefill {row['prefill_s']:6.2f} s, "
+                      f"held {row['held_bytes_per_stream'] / 2**20:7.1f} MiB/stream", flush=True)
+    for n in args.rebuild_sizes:
+        row = {"model": "rebuild", "n": n, "batch": 1, **rebuild_latency(models["sheaf"], ids[:n], 3)}
+        rows.append(row)
+        print(f"  rebuild n={n:>6}: {1e3 * row['latency_s']:8.2f} ms/token", flush=True)
+
+    def latency(kind: str, n: int, batch: int = 1) -> float | None:
+        hit = [r["latency_s"] for r in rows if (r["model"], r["n"], r["batch"]) == (kind, n, batch)]
+        return hit[0] if hit else None
+
+    ratios = {}
+    if latency("sheaf", 32768) and latency("sheaf", 1024):
+        ratios["sheaf_latency_32k_over_1k"] = latency("sheaf", 32768) / latency("sheaf", 1024)
+    if latency("sheaf", 32768) and latency("dense", 32768):
+        ratios["sheaf_over_dense_tokens_per_s_32k"] = latency("dense", 32768) / latency("sheaf", 32768)
+    if latency("rebuild", 8192) and latency("sheaf", 8192):
+        ratios["sheaf_over_rebuild_8k"] = latency("rebuild", 8192) / latency("sheaf", 8192)
+    targets = {"latency_32k_within_1.5x_of_1k": ratios.get("sheaf_latency_32k_over_1k", float("inf")) <= 1.5,
+               "sheaf_5x_dense_at_32k": ratios.get("sheaf_over_dense_tokens_per_s_32k", 0.0) >= 5.0,
+               "sheaf_100x_rebuild_at_8k": ratios.get("sheaf_over_rebuild_8k", 0.0) >= 100.0}
+    for key, value in ratios.items():
+        print(f"  {key}: {value:.2f}")
+    result = {"machine": {"platform": platform.platform(), "threads": torch.get_num_threads(),
+                          "torch": torch.__version__},
+              "params": {k: counts[k] for k in models}, "d_model": {k: options[k]["d_model"] for k in models},
+              "steps": args.steps, "rows": rows, "ratios": ratios, "targets": targets}
+    (out / "generate.json").write_text(json.dumps(result, indent=2))
+    plot(rows, out / "generate.png")
+    print(f"wrote {out / 'generate.json'}, {out / 'generate.png'}")
+
+
+if __name__ == "__main__":
+    main()
