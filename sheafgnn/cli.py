@@ -200,11 +200,12 @@ def _generate(args: argparse.Namespace) -> int:
     if not text:
         raise ValueError(f"the prompt {'file ' + args.prompt_file + ' ' if args.prompt is None else ''}is empty; "
                          "generation needs at least one token to start from")
+    from sheafgnn.model import SheafStateLM
+
     model, tokenizer = load_model(args.run)
-    if not hasattr(model, "stream"):
-        raise ValueError(f"{type(model).__name__} (run {args.run}) has no streaming generation (.stream()) yet")
     ids = tokenizer.encode(text)  # (n,)
-    stream = model.stream()
+    # The sheaf model's site rules read the bytes of its tokens: its stream needs the run's tokenizer.
+    stream = model.stream(tokenizer=tokenizer) if isinstance(model, SheafStateLM) else model.stream()
     if ids.numel() == 0:
         raise ValueError("the prompt encodes to no tokens; give a longer prompt")
     if int(ids.max()) >= stream.vocab_size:

@@ -260,23 +260,26 @@ def test_bad_input_in_a_fresh_process_has_no_traceback(tmp_path):
 
 @pytest.fixture(scope="module")
 def trained_runs(tmp_path_factory) -> dict[str, Path]:
-    """A dense and a local run, 2 training steps each on a tiny model (a few seconds)."""
+    """A run of every model kind, 2 training steps each on a tiny model (a few seconds)."""
     from sheafgnn.train import train
 
     root = tmp_path_factory.mktemp("generate")
     corpus = root / "corpus.txt"
     corpus.write_text(PROSE * 10)
     runs = {}
-    for kind, options in (("dense", {}), ("local", {"window": 8})):
+    attention = {"d_model": 32, "n_layers": 1, "n_heads": 2}
+    sheaf = {"d_model": 32, "n_layers": 1, "headdim": 16}
+    for kind, options, site in (("dense", attention, {"patch_types": []}),
+                                ("local", {**attention, "window": 8}, {"patch_types": []}),
+                                ("sheaf", sheaf, {"local_window": 8}), ("ssm", sheaf, {"patch_types": []})):
         runs[kind] = root / kind
-        train(TrainConfig(model=kind, model_config={"d_model": 32, "n_layers": 1, "n_heads": 2, **options},
-                          site={"patch_types": []}, corpus=str(corpus), context=32, batch_size=2, steps=2,
-                          eval_every=2, eval_batches=1, checkpoint_every=2, out_dir=str(runs[kind]), num_threads=1,
+        train(TrainConfig(model=kind, model_config=options, site=site, corpus=str(corpus), context=32, batch_size=2,
+                          steps=2, eval_every=2, eval_batches=1, checkpoint_every=2, out_dir=str(runs[kind]), num_threads=1,
                           progress=False, tensorboard=False))
     return runs
 
 
-@pytest.mark.parametrize("kind", ["dense", "local"])
+@pytest.mark.parametrize("kind", ["dense", "local", "sheaf", "ssm"])
 def test_generate_prints_the_prompt_then_the_sampled_tokens(trained_runs, tmp_path, capsys, kind):
     prompt = "The cat sat on the mat. Then"
     args = ["--max-new-tokens", "40", "--temperature", "0.8", "--top-k", "20", "--seed", "7"]
@@ -318,13 +321,10 @@ def test_generate_refuses_ids_out_of_vocab_and_prompts_too_long(trained_runs, ca
 
 
 def test_generate_on_an_untrained_sheaf_config(bad_files, capsys):
-    """The sheaf kinds stream once SheafStateLM has .stream(); until then, a one-line error."""
+    """An untrained model from a SheafStateConfig file streams too."""
     status, out, err = run(["generate", bad_files["model_yaml"], "--prompt", "The cat", "--max-new-tokens", "5",
                             "--seed", "0"], capsys)
-    if hasattr(SheafStateLM, "stream"):
-        assert status == 0 and out.startswith("The cat") and out.endswith("\n"), err
-    else:
-        assert status == 2 and "SheafStateLM (run" in err and "has no streaming generation" in err
+    assert status == 0 and out.startswith("The cat") and out.endswith("\n"), err
 
 
 def test_write_tokens_decodes_characters_split_across_tokens():
