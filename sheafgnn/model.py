@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 from torch_geometric.data import HeteroData
 
 from sheafgnn.config import ConfigFile
@@ -85,6 +86,7 @@ class SheafStateConfig(ConfigFile):
     num_topics: int = 64  # topic ids embedded (ids wrap modulo this)
     gluing: bool = True  # False: Phi + token feed-forward only (the ssm ablation)
     validate_sites: bool = True  # run validate_site (schema + causality) on every input; O(edges)
+    checkpoint_blocks: bool = False  # training: recompute each block in backward (torch.utils.checkpoint)
     site: dict = field(default_factory=dict)  # SiteConfig fields for build_site
     quant: dict = field(default_factory=dict)  # QuantVect {maps, experts, map_values}: none|int8|int4|ternary
 
@@ -275,8 +277,12 @@ class SheafStateLM(nn.Module):
         h = self.embed(x, site.node_type, site.type_ptr, data["topic"].topic,
                        data["workspace"].register)  # (N, D), or (num_tokens, D) without gluing
         infos = []
+        recompute = self.config.checkpoint_blocks and self.training and torch.is_grad_enabled()
         for block in self.blocks:
-            h, info = block(h, site, return_candidates)
+            if recompute:  # keep only the block's input for backward; rerun the block there
+                h, info = checkpoint(block, h, site, return_candidates, use_reentrant=False)
+            else:
+                h, info = block(h, site, return_candidates)
             infos.append(info)
         h_out = h[site.block("output")] if self.config.gluing else h  # (num_tokens, D)
         return h_out, infos, site

@@ -201,3 +201,21 @@ def test_torch_compile_runs(full_config):
     compiled = torch.compile(model, backend="aot_eager", dynamic=False)
     expected = model(data)
     assert torch.allclose(compiled(data), expected, atol=1e-4)
+
+
+def test_checkpoint_blocks_gives_the_same_loss_and_gradients(full_config):
+    """Recomputing each block in backward changes memory, not the numbers."""
+    data = build_site(PROSE, full_config)
+    data["token"].y = torch.roll(data["token"].x, -1)
+    grads = []
+    for flag in (False, True):
+        torch.manual_seed(0)
+        model = SheafStateLM(_config(full_config, checkpoint_blocks=flag))
+        loss = model.loss(data)
+        loss.backward()
+        grads.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    (loss_a, grad_a), (loss_b, grad_b) = grads
+    torch.testing.assert_close(loss_a, loss_b, atol=0, rtol=0)
+    assert len(grad_a) == len(grad_b)
+    for a, b in zip(grad_a, grad_b):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
