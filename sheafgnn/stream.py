@@ -263,14 +263,18 @@ class SheafStream(TokenStream):
         """Source rows, destination delta indices and type ids of the deltas' edges of the given types,
         sorted by destination (stably: per destination in ``edge_types`` order, like ``flatten_site``),
         and the destination CSR pointer over the new nodes."""
+        # The non-empty edge stores of each delta, read once (HeteroData item access is slow per type).
+        present = [{} if d is None else {store._key: store.edge_index for store in d.edge_stores
+                                         if store.edge_index.numel()} for d in deltas]
         src, dst, types = [], [], []
-        for i, (src_type, rel, dst_type) in enumerate(edge_types):
-            for b, d in enumerate(deltas):
-                if d is None or d[src_type, rel, dst_type].edge_index.numel() == 0:
+        for i, edge_type in enumerate(edge_types):
+            src_type, _, dst_type = edge_type
+            for b, edges in enumerate(present):
+                if edge_type not in edges:
                     continue
-                s, t = d[src_type, rel, dst_type].edge_index.to(self.device)
+                s, t = edges[edge_type].to(self.device)
                 src.append(self._rows(b, src_type, s))
-                dst.append(first[dst_type][b] + t - d[dst_type].node_offset)
+                dst.append(first[dst_type][b] + t - deltas[b][dst_type].node_offset)
                 types.append(torch.full_like(s, i))
         empty = torch.zeros(0, dtype=torch.long, device=self.device)
         src, dst, types = (torch.cat(x) if x else empty for x in (src, dst, types))
@@ -342,9 +346,11 @@ def select_streamed(topology: LearnedTopology, h: Tensor, delta: StreamDelta,
     out0 = delta.type_ptr[_OUTPUT]
     into_patch = delta.rule_dst < out0
     src, dst, types = delta.rule_src[into_patch], delta.rule_dst[into_patch], delta.rule_type[into_patch]
-    score = topology._score(q[dst], cache.key.data[src], types)
-    keep, weight = topology.compete_sparse(score, dst, topology.sink[delta.node_type[:out0]])
-    patch_edges = (src[keep], dst[keep], types[keep], weight)
+    patch_edges = (src, dst, types, q.new_zeros(0))
+    if dst.numel():
+        score = topology._score(q[dst], cache.key.data[src], types)
+        keep, weight = topology.compete_sparse(score, dst, topology.sink[delta.node_type[:out0]])
+        patch_edges = (src[keep], dst[keep], types[keep], weight)
 
     # Outputs: one dense pool each (proposals, then rules), as LearnedTopology._output_pool.
     q_out = q[out0:]  # (M, r)
