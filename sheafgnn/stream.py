@@ -47,7 +47,7 @@ from sheafgnn.generation import TokenStream
 from sheafgnn.nn.segment import sort_by_destination
 from sheafgnn.nn.ssm import SSMState
 from sheafgnn.nn.topology import LearnedTopology, best_blocks, rule_pools
-from sheafgnn.site.flat import FLAT_TYPES
+from sheafgnn.site.flat import FLAT_TYPES, FlatBlocks
 from sheafgnn.site.schema import CANDIDATE_EDGES, CHAINED_TYPES, COVER_EDGES
 from sheafgnn.site.stream import SiteStream
 
@@ -105,7 +105,7 @@ class LayerCache:
 
 
 @dataclass
-class StreamDelta:
+class StreamDelta(FlatBlocks):
     """The new nodes of a batch of streams, flat: node types in FLAT_TYPES order, each
     type's block holding stream 0's new nodes, then stream 1's, ... (like a PyG batch).
 
@@ -133,14 +133,6 @@ class StreamDelta:
     output_streams: list[tuple[int, slice]]  # per stream with new outputs: the slice of them
     new_blocks: list[tuple[int, Tensor]]  # per stream: cache rows of the tokens of each new complete block
     token_rows: list[Tensor]  # per stream: the cache row of each of its tokens so far, by position
-
-    @property
-    def num_nodes(self) -> int:
-        return self.type_ptr[-1]
-
-    def block(self, node_type: str) -> slice:
-        t = FLAT_TYPES.index(node_type)
-        return slice(self.type_ptr[t], self.type_ptr[t + 1])
 
 
 class SheafStream(TokenStream):

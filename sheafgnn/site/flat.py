@@ -33,8 +33,22 @@ FLAT_TYPES: tuple[str, ...] = (("token",) + CHAINED_TYPES
                                + tuple(t for t in NODE_TYPES[1:-1] if t not in CHAINED_TYPES) + ("output",))
 
 
+class FlatBlocks:
+    """Node types as contiguous blocks of a flat node order (FLAT_TYPES), given ``type_ptr``."""
+
+    type_ptr: list[int]  # (num_types + 1,) block offsets in FLAT_TYPES order
+
+    @property
+    def num_nodes(self) -> int:
+        return self.type_ptr[-1]
+
+    def block(self, node_type: str) -> slice:
+        t = FLAT_TYPES.index(node_type)
+        return slice(self.type_ptr[t], self.type_ptr[t + 1])
+
+
 @dataclass
-class FlatSite:
+class FlatSite(FlatBlocks):
     type_ptr: list[int]  # (num_types + 1,) block offsets in FLAT_TYPES order
     node_type: Tensor  # (N,) index into FLAT_TYPES of every node
     time: Tensor  # (N,) last token position each node may depend on
@@ -47,14 +61,6 @@ class FlatSite:
     token_pos: Tensor  # (num_tokens,) position of each token in its graph
     token_graph_start: Tensor  # (num_tokens,) node id of the first token of each token's graph
     chain_reset: Tensor  # (num_chained,) True where a new patch chain starts
-
-    @property
-    def num_nodes(self) -> int:
-        return self.type_ptr[-1]
-
-    def block(self, node_type: str) -> slice:
-        t = FLAT_TYPES.index(node_type)
-        return slice(self.type_ptr[t], self.type_ptr[t + 1])
 
     @property
     def tokens(self) -> slice:
