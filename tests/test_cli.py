@@ -274,8 +274,8 @@ def trained_runs(tmp_path_factory) -> dict[str, Path]:
                                 ("sheaf", sheaf, {"local_window": 8}), ("ssm", sheaf, {"patch_types": []})):
         runs[kind] = root / kind
         train(TrainConfig(model=kind, model_config=options, site=site, corpus=str(corpus), context=32, batch_size=2,
-                          steps=2, eval_every=2, eval_batches=1, checkpoint_every=2, out_dir=str(runs[kind]), num_threads=1,
-                          progress=False, tensorboard=False))
+                          steps=2, eval_every=2, eval_batches=1, checkpoint_every=2, out_dir=str(runs[kind]),
+                          num_threads=1, progress=False, tensorboard=False))
     return runs
 
 
