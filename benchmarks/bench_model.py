@@ -13,6 +13,9 @@
    the step.
 5. Sheaf against dense at 32k tokens in the same run, at the compare's
    matched sizes (sheaf d_model 128, dense matched within 10%, 2 layers).
+6. The fused gluing :func:`~sheafgnn.nn.gluing.transport_sum` against its
+   plain reference (gather, transport, weigh, ``segment_sum``): forward+backward
+   time, peak memory and the bytes autograd saves, for diag and dense maps.
 
 Peak memory is the peak resident set of the process during the step minus
 the resident set before it (see :class:`sheafgnn.memory.PeakMemory`); the
@@ -38,6 +41,7 @@ from sheafgnn.data import corpus_text
 from sheafgnn.lm import build_model, matched_options
 from sheafgnn.memory import PeakMemory, keep_freed_memory
 from sheafgnn.model import SheafStateConfig, SheafStateLM
+from sheafgnn.nn.gluing import transport_sum, transport_sum_reference
 from sheafgnn.nn.segment import HAS_TORCH_SCATTER, segment_sum, sort_by_destination, use_backend
 from sheafgnn.nn.sheaf import SheafConv
 from sheafgnn.nn.topology import content_blocks
@@ -164,6 +168,42 @@ def backends(num_rows: int, num_segments: int, width: int, repeats: int) -> dict
     return out
 
 
+def _saved_bytes(fn) -> int:
+    """Bytes of the tensors autograd saves while ``fn`` runs (each saved reference counted)."""
+    sizes = []
+
+    def pack(t):
+        sizes.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(sizes)
+
+
+def fused_vs_reference(num_nodes: int, degree: int, stalk_dim: int, channels: int, repeats: int) -> dict:
+    """transport_sum against transport_sum_reference, forward+backward, diag and dense maps."""
+    torch.manual_seed(0)
+    num_edges = num_nodes * degree
+    edge_index, ptr = sort_by_destination(torch.randint(num_nodes, (2, num_edges)), num_nodes=num_nodes)
+    src = edge_index[0]
+    Y = torch.randn(num_nodes, stalk_dim, channels, requires_grad=True)  # (N, d, f)
+    alpha = torch.rand(num_edges, requires_grad=True)  # (E,)
+    out = {"num_nodes": num_nodes, "num_edges": num_edges, "stalk_dim": stalk_dim, "channels": channels}
+    for maps, shape in (("diag", (num_edges, stalk_dim)), ("dense", (num_edges, stalk_dim, stalk_dim))):
+        transport = torch.randn(shape, requires_grad=True)
+        for name, fn in (("fused", transport_sum), ("reference", transport_sum_reference)):
+            def forward(fn=fn, transport=transport):
+                return fn(Y, src, ptr, transport, alpha)
+
+            out[f"{name}_{maps}_s"] = best_of(lambda forward=forward: forward().sum().backward(), repeats)
+            with PeakMemory() as peak:
+                forward().sum().backward()
+            out[f"{name}_{maps}_peak_extra_bytes"] = peak.extra_bytes
+            out[f"{name}_{maps}_saved_bytes"] = _saved_bytes(forward)
+    return out
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -227,6 +267,13 @@ def main() -> None:
     versus = sheaf_vs_dense(args.compare_n, 1)
     print(f"  dense / sheaf: {versus['dense_over_sheaf']:.2f}x")
 
+    print("6. fused gluing vs reference (20k nodes, 19 in-edges each, d 4, f 32), forward+backward")
+    gluing = fused_vs_reference(20_000, 19, 4, 32, args.repeats)
+    for maps in ("diag", "dense"):
+        print(f"  {maps:<6} fused {gluing[f'fused_{maps}_s']:.3f} s, "
+              f"{gluing[f'fused_{maps}_saved_bytes'] / 2**20:.0f} MiB saved; reference "
+              f"{gluing[f'reference_{maps}_s']:.3f} s, {gluing[f'reference_{maps}_saved_bytes'] / 2**20:.0f} MiB saved")
+
     result = {"machine": {"platform": platform.platform(), "threads": torch.get_num_threads(),
                           "allocator_tuned": allocator_tuned, "torch": torch.__version__,
                           "torch_scatter": HAS_TORCH_SCATTER},
@@ -234,7 +281,7 @@ def main() -> None:
               "targets": {"slope_time_met": slopes["time"] <= 1.1, "slope_memory_met": slopes["memory"] <= 1.1,
                           "sheafconv_diag_within_2x": conv["ratio_diag"] <= 2.0},
               "sheafconv": conv, "segment_backends": seg, "content_proposals": proposals,
-              "sheaf_vs_dense": versus}
+              "sheaf_vs_dense": versus, "gluing": gluing}
     (out / "model.json").write_text(json.dumps(result, indent=2))
     plot(rows, out / "model.png")
     print(f"wrote {out / 'model.json'}, {out / 'model.png'}")

@@ -9,6 +9,7 @@ from sheafgnn.nn.segment import (
     index_from_ptr,
     ptr_from_index,
     resolve_backend,
+    segment_gather,
     segment_mean,
     segment_sum,
     set_backend,
@@ -71,6 +72,24 @@ def test_gradcheck(backend):
     with use_backend(backend):
         assert torch.autograd.gradcheck(lambda s: segment_sum(s, ptr), src)
         assert torch.autograd.gradcheck(lambda s: segment_mean(s, ptr), src)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gather_is_the_adjoint_of_sum(backend):
+    ptr = make_ptr([2, 0, 3, 1, 0])
+    src = torch.randn(5, 4, dtype=torch.double, requires_grad=True)
+    with use_backend(backend):
+        out = segment_gather(src, ptr, 6)  # (6, 4)
+        expected = src[index_from_ptr(ptr, 6)]
+        assert torch.equal(out, expected)
+        rows = torch.randn(6, 4, dtype=torch.double)
+        # <gather(src), rows> = <src, sum(rows)>
+        torch.testing.assert_close((out * rows).sum(),
+                                   (src * segment_sum(rows, ptr)).sum())
+        assert torch.autograd.gradcheck(
+            lambda s: segment_gather(s, ptr, 6), src)
+        assert segment_gather(src, torch.zeros(6, dtype=torch.long),
+                              0).shape == (0, 4)
 
 
 @needs_scatter

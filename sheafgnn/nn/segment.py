@@ -21,6 +21,10 @@ Two backends give identical results (up to float summation order):
 environment variable ``SHEAFGNN_SEGMENT_BACKEND`` sets the starting choice;
 :func:`set_backend` / :func:`use_backend` change it at run time.
 
+``segment_gather`` is the adjoint of ``segment_sum``: it repeats row ``s`` of
+a ``(S, *)`` tensor once per row of segment ``s``
+(:func:`torch_scatter.gather_csr`, or :func:`torch.repeat_interleave`).
+
 ``segment_mean`` is ``segment_sum`` divided by the clamped segment length on
 both backends (so an empty segment gives 0, and no backend-specific mean
 kernel is involved).
@@ -49,6 +53,7 @@ __all__ = [
     "index_from_ptr",
     "ptr_from_index",
     "resolve_backend",
+    "segment_gather",
     "segment_mean",
     "segment_sum",
     "set_backend",
@@ -242,3 +247,23 @@ def segment_mean(src: Tensor, ptr: Tensor) -> Tensor:
     total = segment_sum(src, ptr)  # (S, *)
     count = ptr.diff().clamp_(min=1).to(total.dtype)  # (S,)
     return total / count.view((-1,) + (1,) * (total.dim() - 1))
+
+
+def segment_gather(src: Tensor, ptr: Tensor, num_rows: int) -> Tensor:
+    r"""Repeats every segment's row over the rows of that segment: the
+    adjoint of :func:`segment_sum` (``out[i] = src[s]`` for
+    ``ptr[s] <= i < ptr[s + 1]``).
+
+    Args:
+        src (torch.Tensor): :math:`(S, *)`, one row per segment.
+        ptr (torch.Tensor): :math:`(S + 1,)`, :obj:`ptr[0] = 0`.
+        num_rows (int): :obj:`ptr[-1]`, passed explicitly (no host sync).
+
+    Returns:
+        :math:`(\text{num\_rows}, *)`.
+    """
+    _check(src, ptr)
+    if resolve_backend() == "torch_scatter" and num_rows > 0:
+        return _torch_scatter.gather_csr(src, ptr.long())
+    return torch.repeat_interleave(src, ptr.diff(), dim=0,
+                                   output_size=num_rows)

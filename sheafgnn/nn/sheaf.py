@@ -15,8 +15,8 @@ Stalks and restriction maps (Neural Sheaf Diffusion, Bodnar et al. 2022)::
       |- _transport: F_v^T F_u, and the diagonal block F_v^T F_v              (num_edges, d, d)
       |- _diagonal_block: L_vv = segment_sum(alpha_e F_v^T F_v)               (N, d, d)
       |- Y = W2 X W1                                                          (N, d, f)
-      |- propagate: message  alpha_e F_v^T F_u Y_u (source only)              (num_edges, d, f)
-      |             aggregate segment_sum over the CSR ptr                    (N, d, f)
+      |- transport_sum: sum_{e=(u->v)} alpha_e F_v^T F_u Y_u, fused (gluing.py) (N, d, f)
+      |    (propagate: message + aggregate, only with message hooks / explain mode)
       |- _normalize_laplacian: D_in^-1 (L_vv Y_v - aggr)                      (N, d, f)
       |- X' = (1 + tanh eps) X - act(...)                                     (N, d, f)
       '- _energy (with return_energy): ||F_v X_v - F_u X_u||^2                (num_edges,)
@@ -38,6 +38,9 @@ from torch_geometric.nn.resolver import activation_resolver
 from torch_geometric.typing import OptTensor, SparseTensor
 from torch_geometric.utils import is_torch_sparse_tensor
 
+from sheafgnn.nn.gluing import restrict as _restrict
+from sheafgnn.nn.gluing import transport_sum
+from sheafgnn.nn.gluing import weigh as _weigh
 from sheafgnn.nn.segment import (
     index_from_ptr,
     ptr_from_index,
@@ -51,15 +54,6 @@ MAP_KINDS = ("diag", "orthogonal", "general")
 NORMALIZATIONS = ("in_degree", "weight", "none")
 
 
-def _restrict(maps: Tensor, y: Tensor, transpose: bool = False) -> Tensor:
-    r"""Applies per-edge maps to per-edge stalks: :math:`F y` or
-    :math:`F^\top y`; maps (num_edges, d) (diagonal) or (num_edges, d, d),
-    y (num_edges, d, f)."""
-    if maps.dim() == 2:  # diagonal: F = F^T
-        return maps.unsqueeze(-1) * y  # (num_edges, d, f)
-    return torch.matmul(maps.transpose(1, 2) if transpose else maps, y)
-
-
 class _Edges(NamedTuple):
     """The edges of one :meth:`SheafConv.forward`, sorted by destination."""
 
@@ -70,10 +64,6 @@ class _Edges(NamedTuple):
     perm: OptTensor  # (num_edges,): sorted = input[perm], to restore the input order
     msg_perm: OptTensor  # (num_edges,): with message hooks, messages are sorted in aggregate
     num_edges: int
-
-
-def _weigh(alpha: OptTensor, m: Tensor) -> Tensor:
-    return m if alpha is None else alpha.view(-1, 1, 1) * m  # (num_edges, d, f)
 
 
 class SheafConv(MessagePassing):
@@ -411,9 +401,13 @@ class SheafConv(MessagePassing):
             Y = torch.einsum("ij,njf->nif", self.weight_stalk, Y)
 
         # L_vv Y_v - sum_{e=(u->v)} alpha_e F_v^T F_u Y_u
-        lap = _restrict(diag_block, Y) - self.propagate(
-            edges.index, y=Y, transport=transport, alpha=edges.weight,
-            dst_ptr=edges.ptr, msg_perm=edges.msg_perm, size=(N, N))  # (N, d, f)
+        if self._fused():  # saves no per-edge stalk for backward
+            aggr = transport_sum(Y, src, edges.ptr, transport, edges.weight)
+        else:  # per-edge messages for hooks and explainers
+            aggr = self.propagate(
+                edges.index, y=Y, transport=transport, alpha=edges.weight,
+                dst_ptr=edges.ptr, msg_perm=edges.msg_perm, size=(N, N))
+        lap = _restrict(diag_block, Y) - aggr  # (N, d, f)
         lap = self._normalize_laplacian(lap, edges)  # (N, d, f)
         if self.act is not None:
             lap = self.act(lap)
@@ -422,6 +416,20 @@ class SheafConv(MessagePassing):
         if not return_energy:
             return out
         return out, self._energy(X, maps_src, maps_dst, edges)
+
+    def _fused(self) -> bool:
+        r"""Whether :meth:`forward` may skip :meth:`propagate` for the fused
+        :func:`~sheafgnn.nn.gluing.transport_sum`: not in explain mode, with
+        no PyG hook and the stock :meth:`message` / :meth:`aggregate`."""
+        hooks = (self._propagate_forward_pre_hooks,
+                 self._propagate_forward_hooks,
+                 self._message_forward_pre_hooks, self._message_forward_hooks,
+                 self._aggregate_forward_pre_hooks,
+                 self._aggregate_forward_hooks)
+        cls = type(self)
+        return (not self.explain and not any(hooks)
+                and cls.message is SheafConv.message
+                and cls.aggregate is SheafConv.aggregate)
 
     def _sorted_edges(self, x: Tensor, edge_index: Tensor | SparseTensor,
                       edge_type: OptTensor, edge_weight: OptTensor,
@@ -490,9 +498,7 @@ class SheafConv(MessagePassing):
     def _diagonal_block(self_block: Tensor, edges: _Edges) -> Tensor:
         r""":math:`\mathbf{L}_{vv} = \sum_{e \to v} \alpha_e F_v^\top F_v`,
         (N, d) or (N, d, d)."""
-        if edges.weight is not None:
-            self_block = edges.weight.view((-1,) + (1,) * (
-                self_block.dim() - 1)) * self_block
+        self_block = _weigh(edges.weight, self_block)
         if edges.msg_perm is not None:
             self_block = self_block[edges.msg_perm]
         return segment_sum(self_block, edges.ptr)  # (N, d[, d])
