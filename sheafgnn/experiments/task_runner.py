@@ -498,6 +498,17 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _curve_label(kind: str, config: dict, several_runs: bool) -> str:
+    """The model, whether the sheaf model had the hash rule, and, when several runs share a figure,
+    the sheaf model's topology rank and every model's learning rate."""
+    notes = ["hash retrieval"] if kind == "sheaf" and config["hash_retrieval"] else []
+    if several_runs:
+        if kind == "sheaf":
+            notes.append(f"rank {({**SheafStateConfig().to_dict(), **config['sheaf']})['topology_rank']}")
+        notes.append(f"lr {config['lr']:g}")
+    return f"{kind} ({', '.join(notes)})" if notes else kind
+
+
 def curve_figure(reports: list[dict]):
     """Accuracy against training steps, one panel per task, one line per model and run: the runs of
     ``reports`` (``tasks.json`` contents) drawn together, so that runs with and without the hash
@@ -509,14 +520,13 @@ def curve_figure(reports: list[dict]):
         for report in (rep for rep in reports if task in rep["tasks"]):
             r = report["tasks"][task]
             for kind, m in r["models"].items():
-                hashed = kind == "sheaf" and report["config"]["hash_retrieval"]
-                label = f"{kind} (hash retrieval)" if hashed else kind
+                label = _curve_label(kind, report["config"], len(reports) > 1)
                 ax.plot([p["step"] for p in m["curve"]], [p["accuracy"] for p in m["curve"]], "o-", ms=3,
                         label=label)
         ax.axhline(THRESHOLD, color="grey", ls=":", lw=1)
         train_len = reports[0]["tasks"][task]["train_len"] if task in reports[0]["tasks"] else ""
         ax.set(xlabel="training steps", ylabel=f"accuracy @{train_len}", title=task, ylim=(-0.02, 1.02))
-        ax.legend()
+        ax.legend(fontsize=7, loc="center right")  # the curves sit near 0 and near 1
     return fig
 
 
