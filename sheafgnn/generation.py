@@ -83,7 +83,7 @@ class TokenStream:
 
     A subclass implements only :meth:`_feed`; this class validates the input
     (before any state changes, so a bad call leaves the stream usable), runs
-    under :func:`torch.no_grad`, counts the tokens and keeps the last logits.
+    under :func:`torch.inference_mode`, counts the tokens and keeps the last logits.
 
     Args:
         batch_size (int): the number of streams B >= 1.
@@ -115,7 +115,7 @@ class TokenStream:
     def _feed(self, ids: list[Tensor]) -> list[Tensor]:
         """Advance every stream by its ids and return their logits (the one method to implement).
 
-        Called under :func:`torch.no_grad` with validated input: B 1-D int64
+        Called under :func:`torch.inference_mode` with validated input: B 1-D int64
         tensors of ids in [0, V), possibly empty, on the caller's device.
         ``self.num_tokens`` still holds the counts before this call. Must
         return B tensors of shape (n_b, V).
@@ -155,7 +155,7 @@ class TokenStream:
 
     def _advance(self, ids: list[Tensor]) -> list[Tensor]:
         """Run the validated ``ids`` through :meth:`_feed`; update counts and last logits."""
-        with torch.no_grad():
+        with torch.inference_mode():
             logits = self._feed(ids)
         for b, (x, rows) in enumerate(zip(ids, logits, strict=True)):
             if rows.shape != (x.numel(), self.vocab_size):

@@ -200,9 +200,13 @@ class SheafStream(TokenStream):
     # ------------------------------------------------------------------ #
     # the flat delta of a batch
     # ------------------------------------------------------------------ #
-    def _delta(self, deltas: list[HeteroData | None]) -> StreamDelta:
+    def _delta(self, sites: list[HeteroData | None]) -> StreamDelta:
         device, B = self.device, self.batch_size
-        counts = [[d[t].num_nodes if d is not None else 0 for d in deltas] for t in FLAT_TYPES]
+        # Each delta's node stores and non-empty edges, read once (HeteroData item access is slow per type).
+        deltas = [None if d is None else ({store._key: store for store in d.node_stores},
+                                          {store._key: store.edge_index for store in d.edge_stores
+                                           if store.edge_index.numel()}) for d in sites]
+        counts = [[d[0][t].num_nodes if d is not None else 0 for d in deltas] for t in FLAT_TYPES]
         type_ptr = [0]
         for per_stream in counts:
             type_ptr.append(type_ptr[-1] + sum(per_stream))
@@ -218,7 +222,7 @@ class SheafStream(TokenStream):
 
         def concat(store_attr: tuple[str, str]) -> Tensor:
             node_type, attr = store_attr
-            parts = [d[node_type][attr] for d in deltas if d is not None]
+            parts = [d[0][node_type][attr] for d in deltas if d is not None]
             return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
         sizes = torch.tensor([type_ptr[i + 1] - type_ptr[i] for i in range(len(FLAT_TYPES))], device=device)
@@ -227,7 +231,7 @@ class SheafStream(TokenStream):
         token_streams = [b for b in range(B) if counts[0][b]]
         token_reset = torch.zeros(token_pos.numel(), dtype=torch.bool, device=device)
         token_reset[[first["token"][b] for b in token_streams]] = True
-        previous = [self._rows(b, "token", (d["token"].pos - 1).clamp(min=0).to(device))
+        previous = [self._rows(b, "token", (d[0]["token"].pos - 1).clamp(min=0).to(device))
                     for b, d in enumerate(deltas) if d is not None]
         previous_row = torch.where(token_pos > 0, torch.cat(previous), -1) if previous else token_pos
         cover_src, _, _, cover_ptr = self._edges(deltas, first, COVER_EDGES, type_ptr)
@@ -252,21 +256,18 @@ class SheafStream(TokenStream):
         return self.node_rows[b][node_type].data[ids]
 
     def _edges(self, deltas, first, edge_types, type_ptr) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Source rows, destination delta indices and type ids of the deltas' edges of the given types,
-        sorted by destination (stably: per destination in ``edge_types`` order, like ``flatten_site``),
+        """Source rows, destination delta indices and type ids of the deltas' edges of the given types
+        (``deltas``: per stream, its node stores and non-empty edges by type, or None), sorted by destination (stably: per destination in ``edge_types`` order, like ``flatten_site``),
         and the destination CSR pointer over the new nodes."""
-        # The non-empty edge stores of each delta, read once (HeteroData item access is slow per type).
-        present = [{} if d is None else {store._key: store.edge_index for store in d.edge_stores
-                                         if store.edge_index.numel()} for d in deltas]
         src, dst, types = [], [], []
         for i, edge_type in enumerate(edge_types):
             src_type, _, dst_type = edge_type
-            for b, edges in enumerate(present):
-                if edge_type not in edges:
+            for b, d in enumerate(deltas):
+                if d is None or edge_type not in d[1]:
                     continue
-                s, t = edges[edge_type].to(self.device)
+                s, t = d[1][edge_type].to(self.device)
                 src.append(self._rows(b, src_type, s))
-                dst.append(first[dst_type][b] + t - deltas[b][dst_type].node_offset)
+                dst.append(first[dst_type][b] + t - d[0][dst_type].node_offset)
                 types.append(torch.full_like(s, i))
         empty = torch.zeros(0, dtype=torch.long, device=self.device)
         src, dst, types = (torch.cat(x) if x else empty for x in (src, dst, types))
