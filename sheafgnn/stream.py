@@ -37,7 +37,7 @@ streamable (its noise is drawn per forward pass).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -51,7 +51,6 @@ from sheafgnn.site.flat import FLAT_TYPES, FlatBlocks
 from sheafgnn.site.schema import CANDIDATE_EDGES, CHAINED_TYPES, COVER_EDGES
 from sheafgnn.site.stream import SiteStream
 
-_NUM_CHAINED = len(CHAINED_TYPES)
 _OUTPUT = FLAT_TYPES.index("output")
 
 
@@ -101,7 +100,7 @@ class LayerCache:
     key: RowBuffer  # (rows, r) its topology key
     block_key: list[RowBuffer]  # per stream: (complete blocks, r) content-block summaries
     token_ssm: list[SSMState | None]  # per stream: the token chain's SSM state
-    chain_ssm: list[dict[str, SSMState]] = field(default_factory=list)  # per stream and chained type
+    chain_ssm: list[dict[str, SSMState]]  # per stream: the SSM state of each chained type
 
 
 @dataclass
