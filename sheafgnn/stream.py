@@ -256,8 +256,9 @@ class SheafStream(TokenStream):
 
     def _edges(self, deltas, first, edge_types, type_ptr) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Source rows, destination delta indices and type ids of the deltas' edges of the given types
-        (``deltas``: per stream, its node stores and non-empty edges by type, or None), sorted by destination (stably: per destination in ``edge_types`` order, like ``flatten_site``),
-        and the destination CSR pointer over the new nodes."""
+        (``deltas``: per stream, its node stores and non-empty edges by type, or None), sorted by
+        destination (stably: per destination in ``edge_types`` order, like ``flatten_site``), and the
+        destination CSR pointer over the new nodes."""
         src, dst, types = [], [], []
         for i, edge_type in enumerate(edge_types):
             src_type, _, dst_type = edge_type
