@@ -36,22 +36,13 @@ import statistics
 import time
 from pathlib import Path
 
-import matplotlib
+import torch
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-
-from sheafgnn.data import corpus_text  # noqa: E402
-from sheafgnn.generation import sample_next  # noqa: E402
-from sheafgnn.lm import build_model, matched_options  # noqa: E402
-from sheafgnn.site import build_site  # noqa: E402
-
-
-def corpus_ids(n: int) -> torch.Tensor:
-    raw = corpus_text("mixed", "train").encode()
-    raw = raw * (n // len(raw) + 2)
-    return torch.tensor(list(raw[:n]), dtype=torch.long)
+from sheafgnn.data import corpus_ids
+from sheafgnn.experiments.report import pyplot, save_figure
+from sheafgnn.generation import sample_next
+from sheafgnn.lm import build_model, matched_options
+from sheafgnn.site import build_site
 
 
 def held_bytes(obj, seen: set | None = None) -> int:
@@ -115,7 +106,7 @@ def rebuild_latency(model, ids: torch.Tensor, steps: int) -> dict:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = pyplot().subplots(1, 2, figsize=(11, 4))
     for (kind, batch), style in zip(sorted({(r["model"], r["batch"]) for r in rows}), ("o-", "s-", "^-", "v--", "d:")):
         sel = sorted((r for r in rows if r["model"] == kind and r["batch"] == batch), key=lambda r: r["n"])
         label = f"{kind}, batch {batch}"
@@ -129,9 +120,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.grid(True, which="both", alpha=0.3)
     axes[1].legend(fontsize=8)
     fig.suptitle("Generation: sheaf stream vs dense KV cache vs rebuilding the site per token")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def main() -> None:

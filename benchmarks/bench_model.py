@@ -37,7 +37,8 @@ from pathlib import Path
 
 import torch
 
-from sheafgnn.data import corpus_text
+from sheafgnn.data import corpus_ids
+from sheafgnn.experiments.report import pyplot, save_figure
 from sheafgnn.lm import build_model, matched_options
 from sheafgnn.memory import PeakMemory, keep_freed_memory
 from sheafgnn.model import SheafStateConfig, SheafStateLM
@@ -67,7 +68,7 @@ def slope(xs: list[float], ys: list[float]) -> float:
 def model_scaling(sizes: list[int], repeats: int, config: SheafStateConfig) -> list[dict]:
     torch.manual_seed(0)
     model = SheafStateLM(config).train()
-    ids = _corpus_ids(max(sizes))
+    ids = corpus_ids(max(sizes) + 1)
     rows = []
     for n in sizes:
         data = build_site(ids[:n], config.site_config)
@@ -88,12 +89,6 @@ def model_scaling(sizes: list[int], repeats: int, config: SheafStateConfig) -> l
     return rows
 
 
-def _corpus_ids(n: int) -> torch.Tensor:
-    raw = corpus_text("mixed", "train").encode()
-    raw = raw * (n // len(raw) + 2)
-    return torch.tensor(list(raw[: n + 1]), dtype=torch.long)
-
-
 def proposal_cost(sizes: list[int], config: SheafStateConfig, repeats: int) -> list[dict]:
     """Seconds of the content proposals alone (block scoring + top blocks) at each n, forward only."""
     torch.manual_seed(0)
@@ -112,7 +107,7 @@ def sheaf_vs_dense(n: int, repeats: int) -> dict:
     """Forward+backward of one n-token window, sheaf against dense at matched parameters."""
     options, counts = matched_options(("sheaf", "dense"), {"d_model": 128, "n_layers": 2}, 256, n_heads=4,
                                       window=256)
-    ids = _corpus_ids(n)
+    ids = corpus_ids(n + 1)
     out = {"n": n, "params": {k: counts[k] for k in ("sheaf", "dense")},
            "d_model": {k: options[k]["d_model"] for k in ("sheaf", "dense")}}
     for kind in ("sheaf", "dense"):
@@ -205,13 +200,8 @@ def fused_vs_reference(num_nodes: int, degree: int, stalk_dim: int, channels: in
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     n = [r["n"] for r in rows]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = pyplot().subplots(1, 2, figsize=(10, 4))
     for ax, key, label in ((axes[0], "fwd_bwd_s", "forward+backward (s)"),
                            (axes[1], "peak_extra_bytes", "peak memory (bytes)")):
         y = [r[key] for r in rows]
@@ -222,9 +212,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_ylabel(label)
         ax.legend()
     fig.suptitle("SheafStateLM cost against context length")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from sheafgnn.data import corpus_text, load_corpus
+from sheafgnn.data import corpus_ids, load_corpus
 from sheafgnn.site import PATCH_TYPES, SiteConfig, TopicModel, build_site
 from sheafgnn.site.rules import split_sentences
 
@@ -40,9 +40,7 @@ def corpus_windows(n: int, region: int = max(SIZES), count: int = 16) -> list[to
     smaller n average over up to ``count`` windows, so edges per token compare
     like with like rather than one atypical opening passage.
     """
-    raw = corpus_text("mixed", "train").encode()
-    raw = (raw * (region // len(raw) + 1))[:region]
-    ids = torch.tensor(list(raw), dtype=torch.long)
+    ids = corpus_ids(region)
     count = max(1, min(count, region // n))
     return [ids[i * (region // count) : i * (region // count) + n] for i in range(count)]
 

@@ -82,6 +82,14 @@ def corpus_text(kind: str = "mixed", split: str = "train", **kwargs) -> str:
     return "\n\n".join(load_corpus(kind, split, **kwargs))
 
 
+def corpus_ids(n: int, kind: str = "mixed", split: str = "train") -> Tensor:
+    """The first ``n`` bytes of :func:`corpus_text` as byte-tokenizer ids (n,), the text repeated as
+    often as ``n`` needs (benchmarks at contexts longer than the corpus)."""
+    raw = corpus_text(kind, split).encode()
+    raw = raw * (n // len(raw) + 1)
+    return torch.tensor(list(raw[:n]), dtype=torch.long)
+
+
 def train_validation_text(corpus: str) -> tuple[str, str]:
     """(train, validation) text of ``corpus``: an embedded kind (:data:`KINDS`) or a UTF-8 text file,
     whose last :data:`HELD_OUT` share is the validation text."""
