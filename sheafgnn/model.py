@@ -183,17 +183,17 @@ class SheafBlock(nn.Module):
         patches, out = slice(tok.stop, delta.type_ptr[-2]), delta.block("output")
         cache.state.extend(delta.rows.numel())
         cache.state.write(delta.rows[tok], h_tok)
-        h = torch.cat([h_tok, h[patches], h[out] + h_tok])  # (N, D)
+        h_patch = h[patches]
         if patches.stop > patches.start:  # most generated tokens close no patch
-            h_patch = h[patches] + self.pool(segment_mean(cache.state.data[delta.cover_src], delta.cover_ptr))
+            h_patch = h_patch + self.pool(segment_mean(cache.state.data[delta.cover_src], delta.cover_ptr))
             num_chained = delta.chain_reset.numel()
-            h_chain = h_patch[:num_chained]
-            y, states = continue_chains(self.phi_patch, self.norm_patch(h_chain), delta.chain_reset,
+            y, states = continue_chains(self.phi_patch, self.norm_patch(h_patch[:num_chained]), delta.chain_reset,
                                         [cache.chain_ssm[b].get(t) for b, t in delta.chains])
             for (b, t), state in zip(delta.chains, states):
                 cache.chain_ssm[b][t] = state
-            h = torch.cat([h_tok, h_chain + y, h_patch[num_chained:], h[out]])  # (N, D)
-            cache.state.write(delta.rows[patches], h[patches])
+            h_patch = torch.cat([h_patch[:num_chained] + y, h_patch[num_chained:]])
+            cache.state.write(delta.rows[patches], h_patch)
+        h = torch.cat([h_tok, h_patch, h[out] + h_tok])  # (N, D)
 
         src, dst, edge_type, weight = select_streamed(self.topology, h, delta, cache)
         # Gluing on [new nodes | one copy of each edge's source]: a node's output reads only its in-edges.
