@@ -41,15 +41,14 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch_geometric.data import HeteroData
 
 from sheafgnn.generation import TokenStream
 from sheafgnn.nn.segment import sort_by_destination
 from sheafgnn.nn.ssm import SSMState
-from sheafgnn.nn.topology import LearnedTopology, best_blocks, rule_pools
+from sheafgnn.nn.topology import LearnedTopology, best_blocks, rule_pools, top_blocks
 from sheafgnn.site.flat import FLAT_TYPES, FlatBlocks
 from sheafgnn.site.schema import CANDIDATE_EDGES, CHAINED_TYPES, COVER_EDGES
-from sheafgnn.site.stream import SiteStream
+from sheafgnn.site.stream import SiteDelta, SiteStream
 
 _OUTPUT = FLAT_TYPES.index("output")
 
@@ -83,6 +82,11 @@ class RowBuffer:
         self.size += n
         return rows
 
+    def grow_to(self, n: int) -> None:
+        """At least ``n`` rows (new rows undefined until written)."""
+        if n > self.size:
+            self.extend(n - self.size)
+
     def append(self, values: Tensor) -> Tensor:
         rows = self.extend(values.size(0))
         self._storage[rows] = values
@@ -98,7 +102,7 @@ class LayerCache:
 
     state: RowBuffer  # (rows, D) pre-gluing state of every non-output node of every stream
     key: RowBuffer  # (rows, r) its topology key
-    block_key: list[RowBuffer]  # per stream: (complete blocks, r) content-block summaries
+    block_key: RowBuffer  # (blocks, B, r) content-block summary of each stream's complete blocks
     token_ssm: list[SSMState | None]  # per stream: the token chain's SSM state
     chain_ssm: list[dict[str, SSMState]]  # per stream: the SSM state of each chained type
 
@@ -119,6 +123,7 @@ class StreamDelta(FlatBlocks):
     register: Tensor  # register of the new workspace nodes
     rows: Tensor  # (type_ptr[-2],) cache row of every new non-output node
     token_streams: list[int]  # streams with new tokens, in order
+    token_stream: Tensor  # (T,) stream of each new token (and output)
     token_reset: Tensor  # (T,) True at each stream's first new token
     token_pos: Tensor  # (T,) position of each new token (and output) in its stream
     previous_row: Tensor  # (T,) cache row of the token before each new token, -1 at position 0
@@ -129,9 +134,8 @@ class StreamDelta(FlatBlocks):
     rule_src: Tensor  # (E,) cache row of the source of each rule candidate into a new node
     rule_dst: Tensor  # (E,) new node (delta index) of its destination, sorted
     rule_type: Tensor  # (E,) index into CANDIDATE_EDGES
-    output_streams: list[tuple[int, slice]]  # per stream with new outputs: the slice of them
-    new_blocks: list[tuple[int, Tensor]]  # per stream: cache rows of the tokens of each new complete block
-    token_rows: list[Tensor]  # per stream: the cache row of each of its tokens so far, by position
+    new_blocks: list[tuple[int, int, Tensor]]  # per stream: (stream, first new block, (blocks, B) token rows)
+    token_rows: Tensor  # (positions, B) cache row of each stream's token at each position so far
 
 
 class SheafStream(TokenStream):
@@ -157,14 +161,17 @@ class SheafStream(TokenStream):
         device = model.token_embedding.weight.device
         self.device = device
         self.sites = [SiteStream(model.config.site_config, tokenizer=tokenizer) for _ in range(batch_size)]
-        # Per stream and node type: the cache row of every node so far, by its id in the full site.
-        self.node_rows = [{t: RowBuffer((), torch.long, device) for t in FLAT_TYPES[:-1]}
+        # Per stream and patch type: the cache row of every node so far, by its id in the full site;
+        # tokens in one (positions, B) table, which a batch of proposals reads with one gather.
+        self.node_rows = [{t: RowBuffer((), torch.long, device) for t in FLAT_TYPES[1:-1]}
                           for _ in range(batch_size)]
+        self.token_rows = RowBuffer((batch_size,), torch.long, device)
+        self.num_blocks = [0] * batch_size  # complete content blocks per stream (the same in every cache)
         self.num_rows = 0
         D, dtype = model.config.d_model, model.token_embedding.weight.dtype
         rank = model.config.topology_rank
         self.caches = [LayerCache(RowBuffer((D,), dtype, device), RowBuffer((rank,), dtype, device),
-                                  [RowBuffer((rank,), dtype, device) for _ in range(batch_size)],
+                                  RowBuffer((batch_size, rank), dtype, device),
                                   [None] * batch_size, [{} for _ in range(batch_size)])
                        for _ in model.blocks]
 
@@ -173,7 +180,7 @@ class SheafStream(TokenStream):
             return [self.model.token_embedding.weight.new_zeros(0, self.vocab_size) for _ in ids]
         if not self.model.config.gluing:
             return self._feed_tokens_only(ids)
-        deltas = [site.push(x) if x.numel() else None for site, x in zip(self.sites, ids)]
+        deltas = [site.push_delta(x) if x.numel() else None for site, x in zip(self.sites, ids)]
         delta = self._delta(deltas)
         model = self.model
         h = model.embed(delta.token_ids.to(self.device), delta.node_type, delta.type_ptr,
@@ -199,13 +206,9 @@ class SheafStream(TokenStream):
     # ------------------------------------------------------------------ #
     # the flat delta of a batch
     # ------------------------------------------------------------------ #
-    def _delta(self, sites: list[HeteroData | None]) -> StreamDelta:
+    def _delta(self, deltas: list[SiteDelta | None]) -> StreamDelta:
         device, B = self.device, self.batch_size
-        # Each delta's node stores and non-empty edges, read once (HeteroData item access is slow per type).
-        deltas = [None if d is None else ({store._key: store for store in d.node_stores},
-                                          {store._key: store.edge_index for store in d.edge_stores
-                                           if store.edge_index.numel()}) for d in sites]
-        counts = [[d[0][t].num_nodes if d is not None else 0 for d in deltas] for t in FLAT_TYPES]
+        counts = [[d.num_nodes(t) if d is not None else 0 for d in deltas] for t in FLAT_TYPES]
         type_ptr = [0]
         for per_stream in counts:
             type_ptr.append(type_ptr[-1] + sum(per_stream))
@@ -213,24 +216,28 @@ class SheafStream(TokenStream):
         first = {t: [type_ptr[i] + sum(counts[i][:b]) for b in range(B)] for i, t in enumerate(FLAT_TYPES)}
         num_rows = type_ptr[_OUTPUT]  # outputs are never sources: no rows
         rows = torch.arange(self.num_rows, self.num_rows + num_rows, device=device)
-        for i, t in enumerate(FLAT_TYPES[:-1]):
+        for i, t in enumerate(FLAT_TYPES[1:-1], 1):
             for b in range(B):
                 if counts[i][b]:
                     self.node_rows[b][t].append(rows[first[t][b] : first[t][b] + counts[i][b]])
         self.num_rows += num_rows
 
-        def concat(store_attr: tuple[str, str]) -> Tensor:
-            node_type, attr = store_attr
-            parts = [d[0][node_type][attr] for d in deltas if d is not None]
+        def concat(parts: list[Tensor]) -> Tensor:
             return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+        present = [d for d in deltas if d is not None]
+        positions = [d.first + torch.arange(d.ids.numel()) for d in present]
 
         sizes = torch.tensor([type_ptr[i + 1] - type_ptr[i] for i in range(len(FLAT_TYPES))], device=device)
         node_type = torch.repeat_interleave(torch.arange(len(FLAT_TYPES), device=device), sizes)
-        token_pos = concat(("token", "pos")).to(device)
+        token_pos = concat(positions).to(device)
+        token_stream = torch.repeat_interleave(torch.arange(B, device=device), torch.tensor(counts[0], device=device))
+        self.token_rows.grow_to(max(site.num_tokens for site in self.sites))
+        self.token_rows.data[token_pos, token_stream] = rows[: token_pos.numel()]  # tokens lead the delta
         token_streams = [b for b in range(B) if counts[0][b]]
         token_reset = torch.zeros(token_pos.numel(), dtype=torch.bool, device=device)
         token_reset[[first["token"][b] for b in token_streams]] = True
-        previous = [self._rows(b, "token", (d[0]["token"].pos - 1).clamp(min=0).to(device))
+        previous = [self._rows(b, "token", (d.first + torch.arange(-1, d.ids.numel() - 1, device=device)).clamp(min=0))
                     for b, d in enumerate(deltas) if d is not None]
         previous_row = torch.where(token_pos > 0, torch.cat(previous), -1) if previous else token_pos
         cover_src, _, _, cover_ptr = self._edges(deltas, first, COVER_EDGES, type_ptr)
@@ -240,52 +247,52 @@ class SheafStream(TokenStream):
         chain_sizes = [counts[FLAT_TYPES.index(t)][b] for b, t in chains]
         chain_reset = torch.zeros(sum(chain_sizes), dtype=torch.bool, device=device)
         chain_reset[torch.tensor([0] + chain_sizes[:-1], device=device).cumsum(0)[: len(chains)]] = True
-        out0 = type_ptr[_OUTPUT]
-        output_streams = [(b, slice(first["output"][b] - out0, first["output"][b] - out0 + counts[_OUTPUT][b]))
-                          for b in range(B) if counts[_OUTPUT][b]]
         new_blocks = self._new_blocks(deltas)
-        return StreamDelta(type_ptr, node_type, concat(("token", "x")), concat(("topic", "topic")),
-                           concat(("workspace", "register")), rows, token_streams, token_reset, token_pos,
-                           previous_row, cover_src, cover_ptr, chains, chain_reset, rule_src, rule_dst,
-                           rule_type, output_streams, new_blocks,
-                           [rows["token"].data for rows in self.node_rows])
+        return StreamDelta(type_ptr, node_type, concat([d.ids for d in present]),
+                           concat([d.attrs["topic"] for d in present]), concat([d.attrs["workspace"] for d in present]),
+                           rows, token_streams, token_stream, token_reset, token_pos, previous_row, cover_src,
+                           cover_ptr, chains, chain_reset, rule_src, rule_dst, rule_type, new_blocks,
+                           self.token_rows.data)
 
     def _rows(self, b: int, node_type: str, ids: Tensor) -> Tensor:
         """Cache rows of stream ``b``'s nodes of a type, by their ids in the full site."""
+        if node_type == "token":
+            return self.token_rows.data[ids, b]
         return self.node_rows[b][node_type].data[ids]
 
     def _edges(self, deltas, first, edge_types, type_ptr) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Source rows, destination delta indices and type ids of the deltas' edges of the given types
-        (``deltas``: per stream, its node stores and non-empty edges by type, or None), sorted by
+        (``deltas``: per stream, its :class:`~sheafgnn.site.stream.SiteDelta` or None), sorted by
         destination (stably: per destination in ``edge_types`` order, like ``flatten_site``), and the
         destination CSR pointer over the new nodes."""
         src, dst, types = [], [], []
         for i, edge_type in enumerate(edge_types):
             src_type, _, dst_type = edge_type
             for b, d in enumerate(deltas):
-                if d is None or edge_type not in d[1]:
+                if d is None or edge_type not in d.edges:
                     continue
-                s, t = d[1][edge_type].to(self.device)
+                s, t = d.edges[edge_type].to(self.device)
                 src.append(self._rows(b, src_type, s))
-                dst.append(first[dst_type][b] + t - d[0][dst_type].node_offset)
+                dst.append(first[dst_type][b] + t - d.node_offset[dst_type])
                 types.append(torch.full_like(s, i))
         empty = torch.zeros(0, dtype=torch.long, device=self.device)
         src, dst, types = (torch.cat(x) if x else empty for x in (src, dst, types))
         edge_index, types, ptr = sort_by_destination(torch.stack([src, dst]), types, num_nodes=type_ptr[-1])
         return edge_index[0], edge_index[1], types, ptr
 
-    def _new_blocks(self, deltas) -> list[tuple[int, Tensor]]:
-        """Per stream, the cache rows of the tokens of every content block completed by this feed."""
+    def _new_blocks(self, deltas) -> list[tuple[int, int, Tensor]]:
+        """Per stream, the index of its first content block completed by this feed and the cache rows
+        of the tokens of every such block."""
         B = self.model.config.proposal_block
         out = []
         for b, d in enumerate(deltas):
             if d is None or not self.model.config.content_blocks:
                 continue
-            done = self.node_rows[b]["token"].size // B  # complete blocks after this feed
-            start = self.caches[0].block_key[b].size
+            start, done = self.num_blocks[b], self.sites[b].num_tokens // B  # complete blocks before / after
             if done > start:
                 positions = torch.arange(start * B, done * B, device=self.device)
-                out.append((b, self._rows(b, "token", positions).view(done - start, B)))
+                out.append((b, start, self._rows(b, "token", positions).view(done - start, B)))
+                self.num_blocks[b] = done
         return out
 
 
@@ -332,8 +339,10 @@ def select_streamed(topology: LearnedTopology, h: Tensor, delta: StreamDelta,
     key[tok] = key[tok] + topology.key_previous(previous)
     cache.key.extend(num_rows)
     cache.key.write(delta.rows, key)
-    for b, members in delta.new_blocks:
-        cache.block_key[b].append(cache.key.data[members].mean(1))
+    if delta.new_blocks:
+        cache.block_key.grow_to(max(start + members.size(0) for _, start, members in delta.new_blocks))
+        for b, start, members in delta.new_blocks:
+            cache.block_key.data[start : start + members.size(0), b] = cache.key.data[members].mean(1)
 
     # Non-output destinations: their rule candidates, edge by edge.
     out0 = delta.type_ptr[_OUTPUT]
@@ -366,17 +375,38 @@ def _output_proposals(topology: LearnedTopology, q_out: Tensor, delta: StreamDel
                       cache: LayerCache) -> tuple[Tensor, Tensor]:
     """(M, P0) cache rows of every new output's proposed tokens (-1: none) and their edge types."""
     B, m = topology.block_size, topology.content_blocks
-    sources, types = [], []
-    for b, outputs in delta.output_streams:
-        pos = delta.token_pos[outputs]  # (M_b,) output i sits at the position of token i
-        zero = torch.zeros_like(pos)
-        blocks = torch.full((pos.numel(), m), -1, dtype=torch.long, device=pos.device)
-        if m:
-            block_key = cache.block_key[b].data  # (complete blocks, r)
-            block_start = torch.arange(block_key.size(0), device=pos.device) * B
-            blocks = best_blocks(q_out[outputs], block_key, block_start, zero, pos // B, m)
-        tokens, kinds = topology.proposals(blocks, pos, zero)  # positions in stream b
-        rows = delta.token_rows[b][tokens.clamp(min=0)]
-        sources.append(torch.where(tokens >= 0, rows, -1))
-        types.append(kinds)
-    return torch.cat(sources), torch.cat(types)
+    pos, stream = delta.token_pos, delta.token_stream  # (M,) each: output i sits at token i
+    blocks = torch.full((pos.numel(), m), -1, dtype=torch.long, device=pos.device)
+    if m:
+        blocks = stream_blocks(q_out, stream, pos // B, cache.block_key.data, m)  # (M, m) block indices
+        blocks = torch.where(blocks >= 0, blocks * B, -1)
+    tokens, kinds = topology.proposals(blocks, pos, torch.zeros_like(pos))  # positions in each stream
+    rows = delta.token_rows[tokens.clamp(min=0), stream.unsqueeze(1)]
+    return torch.where(tokens >= 0, rows, -1), kinds
+
+
+@torch.no_grad()
+def stream_blocks(query: Tensor, stream: Tensor, last: Tensor, block_key: Tensor, num_blocks: int) -> Tensor:
+    """For each query row, the ``num_blocks`` best of its stream's blocks ``j < last`` (as :func:`best_blocks`).
+
+    Args:
+        query (Tensor): (M, r).
+        stream (Tensor): (M,) stream of each row.
+        last (Tensor): (M,) one past the last block each row may choose.
+        block_key (Tensor): (J, B, r) the summaries of every stream's complete blocks.
+        num_blocks (int): blocks kept per row.
+
+    Returns:
+        (M, num_blocks) block indices (best first), -1 where fewer blocks qualify.
+    """
+    M, J = query.size(0), block_key.size(0)
+    if M == stream.unique().numel():  # one row per stream (generation): all streams in one product
+        score = torch.einsum("mr,jmr->mj", query, block_key[:, stream])  # (M, J)
+        return top_blocks(score, torch.zeros_like(last), last, num_blocks)
+    out = torch.full((M, num_blocks), -1, dtype=torch.long, device=query.device)
+    block_index = torch.arange(J, device=query.device)
+    for b in stream.unique().tolist():  # many rows per stream (a prompt): each stream's rows share its keys
+        rows = torch.nonzero(stream == b).squeeze(1)
+        out[rows] = best_blocks(query[rows], block_key[:, b], block_index, torch.zeros_like(rows), last[rows],
+                                num_blocks)
+    return out

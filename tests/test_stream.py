@@ -58,8 +58,12 @@ def test_batch_of_streams_equals_streams_one_at_a_time(full_config):
     texts = [torch.tensor(list(t.encode()))[:n] for t, n in ((PROSE, 150), (CODE, 90), (PROSE[40:], 200))]
     batch = model.stream(batch_size=3)
     fed = [[] for _ in texts]
-    for step, size in enumerate((17, 1, 40, 0, 64, 3, 200)):  # streams advance by different amounts
-        chunks = [t[sum(len(c) for c in f) :][: size + b * (step % 3)] for b, (t, f) in enumerate(zip(texts, fed))]
+    # Streams advance by different amounts; sizes of 1 at steps 3 and 6 feed one token to every stream
+    # (generation: one query per stream), the last steps one token to all streams but one.
+    steps = [[size + b * (step % 3) for b in range(3)] for step, size in enumerate((17, 1, 40, 1, 64, 3, 1, 0))]
+    steps += [[int(b != k) for b in range(3)] for k in range(3)] + [[200] * 3]
+    for sizes in steps:
+        chunks = [t[sum(len(c) for c in f) :][:size] for size, t, f in zip(sizes, texts, fed)]
         for b, logits in enumerate(batch.feed(chunks)):
             assert logits.shape == (chunks[b].numel(), model.config.vocab_size)
             fed[b].append(logits)

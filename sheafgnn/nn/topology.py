@@ -162,12 +162,19 @@ def best_blocks(query: Tensor, block_key: Tensor, block_start: Tensor, first: Te
             score = torch.rand(b - a, hi - lo, generator=generator, device=query.device)
         else:
             score = query[a:b] @ block_key[lo:hi].T  # (rows, blocks)
-        col = torch.arange(lo, hi, device=score.device)
-        ok = (col >= first[a:b, None]) & (col < last[a:b, None])
-        score = score.masked_fill(~ok, float("-inf"))
-        top, pick = score.topk(min(num_blocks, hi - lo), dim=1)  # (rows, m)
-        chosen = torch.where(torch.isfinite(top), block_start[lo + pick], -1)
-        out[a:b, : chosen.size(1)] = chosen
+        pick = top_blocks(score, first[a:b], last[a:b], num_blocks, lo)  # (rows, m)
+        out[a:b] = torch.where(pick >= 0, block_start[pick.clamp(min=0)], -1)
+    return out
+
+
+def top_blocks(score: Tensor, first: Tensor, last: Tensor, num_blocks: int, col0: int = 0) -> Tensor:
+    """(R, num_blocks) the best columns ``first <= col0 + j < last`` of each row of ``score`` (R, C),
+    as block indices ``col0 + j``, best first; -1 where fewer qualify."""
+    col = torch.arange(col0, col0 + score.size(1), device=score.device)
+    ok = (col >= first.unsqueeze(1)) & (col < last.unsqueeze(1))
+    top, pick = score.masked_fill(~ok, float("-inf")).topk(min(num_blocks, score.size(1)), dim=1)
+    out = torch.full((score.size(0), num_blocks), -1, dtype=torch.long, device=score.device)
+    out[:, : pick.size(1)] = torch.where(torch.isfinite(top), col0 + pick, -1)
     return out
 
 

@@ -340,19 +340,26 @@ def _read_edges(spans: dict[str, Spans], n: int, config: SiteConfig, first: int 
     first_node = first_node or {}
     positions = _arange(n - first) + first
     edges = {("token", "reads", "output"): torch.stack([positions, positions])}
-    for p in READ_TYPES[1:]:
-        time = spans[p][1] - 1 - first
-        before = first_node.get(p, 0)  # nodes with time < first
-        if time.numel() == 0 and before == 0:
-            continue
-        last = config.readout_last * (config.workspace_registers if p == "workspace" else 1)
-        # Latest node with time <= t: the node ending at t (if any), carried forward.
-        latest = torch.full((n - first,), -1, dtype=torch.long).scatter_reduce_(0, time, _arange(time.numel()), "amax")
-        latest = latest.cummax(0).values + before  # (n - first,)
-        src = torch.cat([latest - k for k in range(last)])
-        dst = positions.repeat(last)
-        ok = src >= 0
-        edges[(p, "reads", "output")] = torch.stack([src[ok], dst[ok]])
+    types = [p for p in READ_TYPES[1:] if spans[p][0].numel() or first_node.get(p, 0)]
+    if not types:
+        return edges
+    # All types at once, as rows of (P, n - first): one pass of a few ops, whatever the number of types.
+    P, L = len(types), n - first
+    count = torch.tensor([spans[p][0].numel() for p in types])  # (P,) new nodes of each type
+    row = torch.repeat_interleave(_arange(P), count)  # type row of every new node
+    node = _arange(row.numel()) - torch.repeat_interleave(count.cumsum(0) - count, count)  # its index in the type
+    time = torch.cat([spans[p][1] for p in types]) - 1 - first
+    # Latest node of each type with time <= t: the node ending at t (if any), carried forward.
+    latest = torch.full((P * L,), -1, dtype=torch.long).scatter_reduce_(0, row * L + time, node, "amax")
+    latest = latest.view(P, L).cummax(1).values + torch.tensor([first_node.get(p, 0) for p in types]).unsqueeze(1)
+    last = torch.tensor([config.readout_last * (config.workspace_registers if p == "workspace" else 1)
+                         for p in types])  # (P,) patches read per type
+    k = _arange(int(last.max())).view(1, -1, 1)
+    src = latest.unsqueeze(1) - k  # (P, K, L): the k-th latest, k-major per type
+    ok = (src >= 0) & (k < last.view(-1, 1, 1))
+    split = ok.flatten(1).sum(1).tolist()
+    for p, s, d in zip(types, src[ok].split(split), positions.expand_as(src)[ok].split(split)):
+        edges[(p, "reads", "output")] = torch.stack([s, d])
     return edges
 
 

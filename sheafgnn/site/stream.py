@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -278,6 +279,40 @@ def _edges(src: list[int], dst: list[int]) -> Tensor:
     return torch.tensor([src, dst], dtype=torch.long).view(2, -1)
 
 
+@dataclass
+class SiteDelta:
+    """The nodes and edges one :meth:`SiteStream.push_delta` adds, as plain tensors.
+
+    Attributes:
+        ids (Tensor): (k,) the new token ids, at positions ``first, ..., first + k - 1``.
+        first (int): position of the first new token.
+        spans (dict[str, tuple[Tensor, Tensor]]): per patch type (``output`` included), the
+            (start, end) token spans of its new nodes, in node order.
+        attrs (dict[str, Tensor]): the new topic and workspace nodes' ``topic`` / ``register``.
+        edges (dict[EdgeType, Tensor]): (2, E) every non-empty edge type's edges into new
+            nodes, in global node ids.
+        node_offset (dict[str, int]): per node type, the nodes before this push.
+    """
+
+    ids: Tensor
+    first: int
+    spans: dict[str, Spans]
+    attrs: dict[str, Tensor]
+    edges: dict[EdgeType, Tensor]
+    node_offset: dict[str, int]
+
+    def num_nodes(self, node_type: str) -> int:
+        return self.ids.numel() if node_type == "token" else self.spans[node_type][0].numel()
+
+    def to_hetero(self) -> HeteroData:
+        """The delta as a HeteroData with every node and edge type of the schema (see :meth:`SiteStream.push`)."""
+        edges = {e: self.edges.get(e, _empty_edges()) for e in EDGE_TYPES}  # every type, in schema order
+        data = _hetero_data(self.ids, self.spans, self.attrs, edges, self.first)
+        for t in NODE_TYPES:
+            data[t].node_offset = self.node_offset[t]
+        return data
+
+
 class SiteStream:
     r"""The causal site of a growing token stream, built incrementally and exactly.
 
@@ -329,12 +364,18 @@ class SiteStream:
             HeteroData with every node and edge type of the schema: the new nodes
             (attributes as in :func:`build_site`, plus ``node_offset``, the number of
             nodes of that type before this push) and every edge into a new node, in
-            global node ids.
+            global node ids (:meth:`SiteDelta.to_hetero` of :meth:`push_delta`).
 
         Raises:
             TypeError, ValueError: for ids that are not a 1-D integer tensor in the
                 vocabulary; the stream is then unchanged.
         """
+        return self.push_delta(ids).to_hetero()
+
+    def push_delta(self, ids: Tensor) -> SiteDelta:
+        """:meth:`push` without the HeteroData: the same delta as plain tensors (what a per-token
+        consumer such as :class:`~sheafgnn.stream.SheafStream` reads; a HeteroData of ~30 stores
+        costs more to build than the delta itself)."""
         if not isinstance(ids, Tensor):
             raise TypeError(f"SiteStream.push: expected a 1-D LongTensor of token ids, got {type(ids).__name__}")
         ids = _check_ids(ids, self.tokenizer.vocab_size, "SiteStream.push")
@@ -343,17 +384,14 @@ class SiteStream:
         data = b.numpy().tobytes()
         toks = (first + torch.repeat_interleave(_arange(ids.numel()), lengths, output_size=len(data))).tolist()
         offsets = dict(self.num_nodes)
-        spans, attrs, links = self._patches(ids, data, toks, offsets)
-        edges = {e: _empty_edges() for e in EDGE_TYPES}  # every type, in schema order
-        edges.update(links)
+        spans, attrs, edges = self._patches(ids, data, toks, offsets)
         edges.update(_cover_edges(spans, offsets))
         edges.update(_chain_edges(spans, self.config.workspace_registers, offsets))
         edges.update(self._anchor_edges(spans, offsets))
         edges.update(_read_edges(spans, n, self.config, first, offsets))
-        delta = _hetero_data(ids, spans, attrs, edges, first)
+        delta = SiteDelta(ids, first, spans, attrs, {e: v for e, v in edges.items() if v.size(1)}, offsets)
         for t in NODE_TYPES:
-            delta[t].node_offset = offsets[t]
-            self.num_nodes[t] += delta[t].num_nodes
+            self.num_nodes[t] += delta.num_nodes(t)
         self.num_tokens, self.num_bytes = n, self.num_bytes + len(data)
         return delta
 
