@@ -12,7 +12,9 @@
    complete blocks before it, O(n^2 r / B)) at each n, and their share of
    the step.
 5. Sheaf against dense at 32k tokens in the same run, at the compare's
-   matched sizes (sheaf d_model 128, dense matched within 10%, 2 layers).
+   matched sizes (sheaf d_model 128, dense matched within 10%, 2 layers):
+   forward+backward time and peak extra memory, and the sheaf model again with
+   ``checkpoint_blocks`` (each block recomputed in backward).
 6. The fused gluing :func:`~sheafgnn.nn.gluing.transport_sum` against its
    plain reference (gather, transport, weigh, ``segment_sum``): forward+backward
    time, peak memory and the bytes autograd saves, for diag and dense maps.
@@ -20,6 +22,10 @@
 Peak memory is the peak resident set of the process during the step minus
 the resident set before it (see :class:`sheafgnn.memory.PeakMemory`); the
 site is built before the step and is not timed.
+
+This process tunes glibc's allocator (:func:`sheafgnn.memory.keep_freed_memory`).
+Step 1 runs a second time in a fresh process that does not (``--plain``): the
+cost a library user sees who calls nothing but ``model.loss(site).backward()``.
 
 Usage::
 
@@ -32,6 +38,9 @@ import argparse
 import json
 import math
 import platform
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -103,17 +112,20 @@ def proposal_cost(sizes: list[int], config: SheafStateConfig, repeats: int) -> l
     return rows
 
 
-def sheaf_vs_dense(n: int, repeats: int) -> dict:
-    """Forward+backward of one n-token window, sheaf against dense at matched parameters."""
+def sheaf_vs_dense(n: int) -> dict:
+    """Forward+backward time and peak extra memory of one n-token window (after a warm-up step),
+    sheaf (without and with ``checkpoint_blocks``) against dense at matched parameters."""
     options, counts = matched_options(("sheaf", "dense"), {"d_model": 128, "n_layers": 2}, 256, n_heads=4,
                                       window=256)
     ids = corpus_ids(n + 1)
     out = {"n": n, "params": {k: counts[k] for k in ("sheaf", "dense")},
            "d_model": {k: options[k]["d_model"] for k in ("sheaf", "dense")}}
-    for kind in ("sheaf", "dense"):
+    runs = (("sheaf", "sheaf", {}), ("sheaf_checkpoint", "sheaf", {"checkpoint_blocks": True}),
+            ("dense", "dense", {}))
+    for name, kind, extra in runs:
         torch.manual_seed(0)
         site = {} if kind == "sheaf" else {"patch_types": []}  # dense reads the token ids only
-        model = build_model(kind, options[kind], 256, site).train()
+        model = build_model(kind, {**options[kind], **extra}, 256, site).train()
         data = build_site(ids[:n], SiteConfig.from_dict(site))
         data["token"].y = ids[1 : n + 1]
 
@@ -122,10 +134,34 @@ def sheaf_vs_dense(n: int, repeats: int) -> dict:
             model.zero_grad(set_to_none=True)
 
         step()
-        out[f"{kind}_s"] = best_of(step, repeats)
-        print(f"  {kind:<6} n={n}: {out[f'{kind}_s']:.2f} s", flush=True)
+        with PeakMemory() as mem:
+            start = time.perf_counter()
+            step()
+            out[f"{name}_s"] = time.perf_counter() - start
+        out[f"{name}_peak_extra_bytes"] = mem.extra_bytes
+        print(f"  {name:<16} n={n}: {out[f'{name}_s']:.2f} s, {mem.extra_bytes / 2**20:,.0f} MiB", flush=True)
+        del model, data
     out["dense_over_sheaf"] = out["dense_s"] / out["sheaf_s"]
+    out["sheaf_over_dense_memory"] = out["sheaf_peak_extra_bytes"] / out["dense_peak_extra_bytes"]
+    out["checkpoint_over_plain"] = {"time": out["sheaf_checkpoint_s"] / out["sheaf_s"],
+                                    "memory": out["sheaf_checkpoint_peak_extra_bytes"] / out["sheaf_peak_extra_bytes"]}
     return out
+
+
+def plain_scaling(args: argparse.Namespace) -> dict:
+    """Step 1 in a fresh process without the allocator call (``--plain``); its rows and slopes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [sys.executable, __file__, "--plain", "--out", tmp, "--threads", str(args.threads),
+                   "--repeats", str(args.repeats), "--d-model", str(args.d_model), "--layers", str(args.layers),
+                   "--sizes", *map(str, args.sizes)]
+        subprocess.run(command, check=True)
+        return json.loads((Path(tmp) / "model_plain.json").read_text())
+
+
+def scaling_slopes(rows: list[dict]) -> dict:
+    tail = [r for r in rows if r["n"] >= 4096]
+    return {"time": slope([r["n"] for r in tail], [r["fwd_bwd_s"] for r in tail]),
+            "memory": slope([r["n"] for r in tail], [r["peak_extra_bytes"] for r in tail])}
 
 
 def conv_vs_gather(num_nodes: int, degree: int, width: int, stalk_dim: int, repeats: int) -> dict:
@@ -224,20 +260,27 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: 2)")
     parser.add_argument("--compare-n", type=int, default=32768, help="tokens of the sheaf vs dense step (default: 32k)")
+    parser.add_argument("--plain", action="store_true",
+                        help="step 1 only, without the allocator call (writes model_plain.json)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    allocator_tuned = keep_freed_memory()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     config = SheafStateConfig(d_model=args.d_model, n_layers=args.layers)
+    if args.plain:
+        rows = model_scaling(args.sizes, args.repeats, config)
+        (out / "model_plain.json").write_text(json.dumps({"model": rows, "slopes_4k_up": scaling_slopes(rows)}))
+        return
+    print("1b. SheafStateLM forward+backward in a fresh process, no allocator call")
+    plain = plain_scaling(args)
+    allocator_tuned = keep_freed_memory()
 
-    print("1. SheafStateLM forward+backward")
+    print("1. SheafStateLM forward+backward (allocator tuned)")
     rows = model_scaling(args.sizes, args.repeats, config)
-    tail = [r for r in rows if r["n"] >= 4096]
-    slopes = {"time": slope([r["n"] for r in tail], [r["fwd_bwd_s"] for r in tail]),
-              "memory": slope([r["n"] for r in tail], [r["peak_extra_bytes"] for r in tail])}
-    print(f"  log-log slope 4k..{tail[-1]['n']}: time {slopes['time']:.3f}, memory {slopes['memory']:.3f} "
-          f"(target <= 1.1)")
+    slopes = scaling_slopes(rows)
+    for name, value in (("tuned", slopes), ("plain", plain["slopes_4k_up"])):
+        print(f"  log-log slope 4k..{rows[-1]['n']}, {name}: time {value['time']:.3f}, "
+              f"memory {value['memory']:.3f} (target <= 1.1)")
     print("2. SheafConv vs gather + segment_csr (50k nodes, 8 in-edges each, width 128)")
     conv = conv_vs_gather(50_000, 8, 128, 4, args.repeats)
     for kind in ("diag", "orthogonal", "general"):
@@ -252,8 +295,10 @@ def main() -> None:
     for row, model_row in zip(proposals, rows):
         row["share_of_step"] = row["content_proposals_s"] * config.n_layers / model_row["fwd_bwd_s"]
     print(f"5. sheaf vs dense at {args.compare_n} tokens, matched parameters")
-    versus = sheaf_vs_dense(args.compare_n, 1)
-    print(f"  dense / sheaf: {versus['dense_over_sheaf']:.2f}x")
+    versus = sheaf_vs_dense(args.compare_n)
+    print(f"  dense / sheaf: {versus['dense_over_sheaf']:.2f}x time, sheaf / dense memory "
+          f"{versus['sheaf_over_dense_memory']:.2f}; checkpoint_blocks / plain: "
+          f"time {versus['checkpoint_over_plain']['time']:.2f}, memory {versus['checkpoint_over_plain']['memory']:.2f}")
 
     print("6. fused gluing vs reference (20k nodes, 19 in-edges each, d 4, f 32), forward+backward")
     gluing = fused_vs_reference(20_000, 19, 4, 32, args.repeats)
@@ -266,8 +311,12 @@ def main() -> None:
                           "allocator_tuned": allocator_tuned, "torch": torch.__version__,
                           "torch_scatter": HAS_TORCH_SCATTER},
               "config": config.to_dict(), "model": rows, "slopes_4k_up": slopes,
+              "model_plain_allocator": plain["model"], "slopes_4k_up_plain_allocator": plain["slopes_4k_up"],
               "targets": {"slope_time_met": slopes["time"] <= 1.1, "slope_memory_met": slopes["memory"] <= 1.1,
-                          "sheafconv_diag_within_2x": conv["ratio_diag"] <= 2.0},
+                          "slope_time_plain_allocator_met": plain["slopes_4k_up"]["time"] <= 1.1,
+                          "sheafconv_diag_within_2x": conv["ratio_diag"] <= 2.0,
+                          "sheaf_8x_dense_at_32k": versus["dense_over_sheaf"] >= 8.0,
+                          "sheaf_memory_at_most_dense_at_32k": versus["sheaf_over_dense_memory"] <= 1.0},
               "sheafconv": conv, "segment_backends": seg, "content_proposals": proposals,
               "sheaf_vs_dense": versus, "gluing": gluing}
     (out / "model.json").write_text(json.dumps(result, indent=2))
