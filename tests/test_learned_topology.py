@@ -109,12 +109,17 @@ def test_pool_auc_by_hand():
                             "candidate_score": torch.tensor([0.9, 0.2, 0.5, 0.1])},
              RANDOM_EDGE: {"candidate_index": torch.tensor([[13, 12, 2], [38, 38, 5]]),
                            "candidate_score": torch.tensor([0.7, 0.3, 0.0])}}
-    destination, score, label = P.candidate_labels(pools, data, targets)
+    destination, score, label, source = P.candidate_labels(pools, data, targets)
     assert destination.tolist() == [19, 29, 38, 19, 38, 38]
     assert label.tolist() == [True, True, False, False, False, True]
+    assert source.tolist() == [0, 7, 8, 3, 13, 12]  # tokens: their own ids
     row = P.pool_auc(pools, data, targets)
     assert row["mean"] == pytest.approx(0.5) and (row["destinations"], row["eligible"]) == (2, 3)
     assert row["by_type"] == {"anchor": pytest.approx(0.0), "entity": pytest.approx(1.0)}
+    # every candidate is a token here; only o19's pool holds its source token (0)
+    assert row["by_source"] == {"token": {"mean": pytest.approx(0.5), "destinations": 2},
+                                "patch": {"mean": None, "destinations": 0}}
+    assert row["source_in_pool"] == pytest.approx(1 / 3)
     assert row["positive_share"] == pytest.approx(2 / 5) and sum(row["hist"]) == 2
 
 

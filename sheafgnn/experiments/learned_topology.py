@@ -26,7 +26,10 @@ plus ``kept_edges``, the gluing edges of the topology.
 
     auc_per_destination      the trained scores' AUC per destination (pool_scoring.pool_auc of each block):
                              mean over every counted (block, destination), destinations (counted pairs),
-                             per_block [{mean, destinations, eligible, by_type, positive_share, hist}]
+                             per_block [{mean, destinations, eligible, by_type, by_source, source_in_pool,
+                             positive_share, hist}] (by_source: the AUC among token candidates only and
+                             among patch candidates only; source_in_pool: share of the outputs whose
+                             token candidates hold the dependency's source token)
     candidate_recall         share of G*'s long-range dependencies realised when every candidate of every
                              block's pools is kept (pool_scoring.candidate_recall of the union: the ceiling
                              of any selection), with per_block (each block's pools alone) and proposals_only
@@ -508,7 +511,11 @@ def format_learned(result: dict) -> str:
     pct2 = lambda v: "-" if v is None else f"{100 * v:.2f}%"
     num = lambda v: "-" if v is None else f"{v:.3f}"
     blocks = ", ".join(f"block {b} {num(row['mean'])} (anchor {num(row['by_type']['anchor'])}, entity "
-                       f"{num(row['by_type']['entity'])}, {row['destinations']:,} of {row['eligible']:,})"
+                       f"{num(row['by_type']['entity'])}, {row['destinations']:,} of {row['eligible']:,}; among "
+                       f"tokens only {num(row['by_source']['token']['mean'])} "
+                       f"({row['by_source']['token']['destinations']:,}), among patches only "
+                       f"{num(row['by_source']['patch']['mean'])} ({row['by_source']['patch']['destinations']:,}); "
+                       f"source token in the pool {pct(row['source_in_pool'])})"
                        for b, row in enumerate(auc["per_block"]))
     lines = [f"learned topology: n_eval = {result['n_eval']:,}, G* = {result['deps']['total']:,}, "
              f"H = {result['hops']}, {result['parameters']:,} parameters, k = {result['model_config']['topology_k']}, "

@@ -17,13 +17,21 @@ and ``token reads output``'s)::
     candidate recall              long-range dependencies realised (:mod:`sheafgnn.relations`, H hops) by
                                   the relation graph that keeps every candidate: the ceiling of any selection
 
+The pools mix two kinds of candidate that one bilinear score compares: tokens
+(content and random proposals) and patches (the site's read rules). A patch
+that holds token i is a positive too, so the AUC over the whole pool also
+measures how the scorer ranks patches against tokens. ``by_source`` splits it:
+the AUC among a destination's token candidates only, and among its patch
+candidates only; ``source_in_pool`` is the share of scored destinations whose
+token candidates hold the dependency's source token i itself.
+
 Only destinations whose next token has a long-range dependency are scored:
 elsewhere no candidate is needed, so none is positive.
 
 ::
 
     long_range_targets(data, seq, hops) -> LongRangeTargets     the dependencies and positive (o, u) pairs
-    candidate_labels(topology, data, targets)                   destination, score and label of each candidate
+    candidate_labels(topology, data, targets)                   destination, score, label and source of each candidate
     destination_auc(score, label, destination)                  AUC per destination, and which counted
     pool_auc(topology, data, targets)                           one block's pools: mean AUC, counts, histogram
     candidate_recall(pools, data, targets, hops)                share of the dependencies the pools realise
@@ -53,6 +61,7 @@ class LongRangeTargets:
             :data:`~sheafgnn.experiments.synthetic.DEP_TYPES` index.
         output_dep_type (np.ndarray): (n,) dep type of output o's long-range dependency (that of
             token o + 1), -1 where it has none (not scored).
+        output_source (np.ndarray): (n,) the source token i of that dependency, -1 where none.
         positive (np.ndarray): sorted keys ``o * num_nodes + u`` of the positive (destination,
             candidate) pairs, u a relation-graph node id (:func:`~sheafgnn.relations.node_offsets`).
         num_nodes (int): nodes of the relation graph.
@@ -62,6 +71,7 @@ class LongRangeTargets:
     dst: np.ndarray
     dep_type: np.ndarray
     output_dep_type: np.ndarray
+    output_source: np.ndarray
     positive: np.ndarray
     num_nodes: int
 
@@ -79,11 +89,13 @@ def long_range_targets(data: HeteroData, seq: SyntheticSequence, hops: int) -> L
     positive = np.unique((dst[reach.row] - 1) * graph.num_nodes + reach.col)
     output_dep_type = np.full(seq.ids.numel(), -1, dtype=np.int64)
     output_dep_type[dst - 1] = dep_type
-    return LongRangeTargets(src, dst, dep_type, output_dep_type, positive, graph.num_nodes)
+    output_source = np.full(seq.ids.numel(), -1, dtype=np.int64)
+    output_source[dst - 1] = src
+    return LongRangeTargets(src, dst, dep_type, output_dep_type, output_source, positive, graph.num_nodes)
 
 
 def candidate_labels(topology: dict[EdgeType, dict[str, Tensor]], data: HeteroData,
-                     targets: LongRangeTargets) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                     targets: LongRangeTargets) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The candidates of the scored destinations, from every output edge type of the pools.
 
     Args:
@@ -93,10 +105,12 @@ def candidate_labels(topology: dict[EdgeType, dict[str, Tensor]], data: HeteroDa
         targets (LongRangeTargets): from :func:`long_range_targets` on the same site.
 
     Returns:
-        (destination output o, score, label) per candidate, each (C_scored,).
+        (destination output o, score, label, source u as a relation-graph node id; tokens are
+        ``u < data["token"].num_nodes``) per candidate, each (C_scored,).
     """
     offset, _ = node_offsets(data)
     destination, score, label = [np.zeros(0, dtype=np.int64)], [np.zeros(0)], [np.zeros(0, dtype=bool)]
+    source = [np.zeros(0, dtype=np.int64)]
     for (src_type, _, dst_type), entry in topology.items():
         if dst_type != "output":
             continue
@@ -106,7 +120,8 @@ def candidate_labels(topology: dict[EdgeType, dict[str, Tensor]], data: HeteroDa
         destination.append(o)
         score.append(entry["candidate_score"].float().cpu().numpy()[keep])
         label.append(np.isin(o * targets.num_nodes + u, targets.positive))
-    return np.concatenate(destination), np.concatenate(score), np.concatenate(label)
+        source.append(u)
+    return tuple(np.concatenate(x) for x in (destination, score, label, source))
 
 
 def destination_auc(score: np.ndarray, label: np.ndarray,
@@ -151,17 +166,27 @@ def pool_auc(topology: dict[EdgeType, dict[str, Tensor]], data: HeteroData, targ
     Returns:
         dict: ``mean`` (None if no destination counted), ``destinations`` (counted), ``eligible``
         (outputs whose next token has a long-range dependency), ``by_type`` (dep type -> mean),
-        ``positive_share`` (positives among the counted destinations' candidates) and ``hist``
-        (``bins`` counts of the per-destination AUCs over [0, 1]).
+        ``by_source`` ({"token", "patch"} -> {"mean", "destinations"}: the AUC among one kind of
+        candidate only), ``source_in_pool`` (share of the eligible outputs whose token candidates
+        hold the dependency's source token), ``positive_share`` (positives among the counted
+        destinations' candidates) and ``hist`` (``bins`` counts of the per-destination AUCs over [0, 1]).
     """
-    destination, score, label = candidate_labels(topology, data, targets)
+    destination, score, label, source = candidate_labels(topology, data, targets)
     groups, auc, counted = destination_auc(score, label, destination)
     kinds = targets.output_dep_type[groups]
     mean = lambda values: float(values.mean()) if values.size else None
     scored = np.isin(destination, groups[counted])
-    return {"mean": mean(auc[counted]), "destinations": int(counted.sum()),
-            "eligible": int((targets.output_dep_type >= 0).sum()),
+    is_token = source < data["token"].num_nodes
+    by_source = {}
+    for name, mask in (("token", is_token), ("patch", ~is_token)):
+        _, kind_auc, kind_counted = destination_auc(score[mask], label[mask], destination[mask])
+        by_source[name] = {"mean": mean(kind_auc[kind_counted]), "destinations": int(kind_counted.sum())}
+    eligible = np.flatnonzero(targets.output_dep_type >= 0)
+    holds_source = np.unique(destination[is_token & (source == targets.output_source[destination])])
+    return {"mean": mean(auc[counted]), "destinations": int(counted.sum()), "eligible": int(eligible.size),
             "by_type": {name: mean(auc[counted & (kinds == DEP_TYPES.index(name))]) for name in LONG_RANGE_TYPES},
+            "by_source": by_source,
+            "source_in_pool": holds_source.size / eligible.size if eligible.size else None,
             "positive_share": mean(label[scored].astype(float)),
             "hist": np.histogram(auc[counted], bins=bins, range=(0.0, 1.0))[0].tolist()}
 
