@@ -385,9 +385,10 @@ def train(config: TrainConfig, *, resume: bool = False, model: nn.Module | None 
             from ``config`` (it is trained in place).
 
     Returns:
-        dict with ``step``, ``tokens``, ``train_loss``, ``val_loss``, ``val_bpb``,
-        ``val_ppl``, ``tokens_per_s``, ``elapsed_s``, ``params``, ``skipped_steps``,
-        ``checkpoint`` and ``history`` (step -> training loss, this invocation).
+        dict with ``step``, ``tokens``, ``train_loss`` (the last step's), ``train_loss_smoothed``
+        (the mean over the last 10% of this invocation's steps: one batch's loss is noisy and may be
+        an easy batch), ``val_loss``, ``val_bpb``, ``val_ppl``, ``tokens_per_s``, ``elapsed_s``,
+        ``params``, ``skipped_steps``, ``checkpoint`` and ``history`` (step -> training loss, this invocation).
 
     Raises:
         CheckpointError: nothing to resume, or a corrupt or mismatched checkpoint.
@@ -473,7 +474,9 @@ def _train(config: TrainConfig, resume: bool, model: nn.Module | None, rank: int
         bar.close()
         log.close()
     elapsed = time.perf_counter() - t_start
+    tail = list(history.values())[-max(1, len(history) // 10):]
     return {"step": step, "tokens": step * tokens_per_step, "train_loss": history.get(step, math.nan),
+            "train_loss_smoothed": sum(tail) / len(tail) if history else math.nan,
             **metrics, "tokens_per_s": len(history) * tokens_per_step / max(elapsed, 1e-9), "elapsed_s": elapsed,
             "peak_memory_bytes": process_peak_bytes(device), "params": n_params, "skipped_steps": skipped,
             "checkpoint": str(checkpoint_path or ""), "history": history}

@@ -212,7 +212,8 @@ def train_one(config: CompareConfig, kind: str, options: dict) -> dict:
     with PeakMemory(device) as mem:
         result = train(train_config, model=model)
     return {"model": kind, "params": result["params"], "steps": result["step"], "tokens": result["tokens"],
-            "train_loss": result["train_loss"], "val_loss": result["val_loss"], "val_bpb": result["val_bpb"],
+            "train_loss": result["train_loss"], "train_loss_smoothed": result["train_loss_smoothed"],
+            "val_loss": result["val_loss"], "val_bpb": result["val_bpb"],
             "train_tokens_per_s": _median_train_tokens_per_s(out / "metrics.csv", result["tokens_per_s"]),
             "train_tokens_per_s_overall": result["tokens_per_s"], "train_elapsed_s": result["elapsed_s"],
             **mem.as_dict("train_"), **_inference(model, validation, config, device),
@@ -361,13 +362,13 @@ def markdown(report: dict) -> str:
              f"{cfg['tokens']:,} training tokens per model, context {cfg['context']}, batch {cfg['batch_size']}, "
              f"seed {cfg['seed']}, corpus `{cfg['corpus']}` (byte tokenizer), device {report['device']}, "
              f"{report['threads']} thread(s) on {report['cpu_count']} CPU(s).\n",
-             "| model | d_model | params | val bits/byte | train tok/s | infer tok/s | infer tok/s (with site) "
-             "| peak train RSS (MiB) | peak train extra (MiB) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| model | d_model | params | val bits/byte | train loss, last 10% of steps (nats) | val loss (nats) "
+             "| train tok/s | infer tok/s | infer tok/s (with site) | peak train RSS (MiB) | peak train extra (MiB) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for kind, r in training.items():
         peak = r.get("train_peak_rss_bytes", r.get("train_peak_bytes"))
         lines.append(f"| {kind} | {r['options']['d_model']} | {r['params']:,} | {r['val_bpb']:.4f} "
-                     f"| {r['train_tokens_per_s']:,.0f} | {r['infer_tokens_per_s']:,.0f} "
+                     f"| {r['train_loss_smoothed']:.4f} | {r['val_loss']:.4f} | {r['train_tokens_per_s']:,.0f} | {r['infer_tokens_per_s']:,.0f} "
                      f"| {r['infer_tokens_per_s_with_site']:,.0f} | {_mib(peak)} "
                      f"| {_mib(r['train_peak_extra_bytes'])} |")
     kinds = list(sweep)
