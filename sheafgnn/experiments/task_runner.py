@@ -389,7 +389,7 @@ def run_tasks(config: TasksConfig) -> dict:
 # ---------------------------------------------------------------------------
 
 SUMMARY_KEY = ("task", "seq_len", "train_len", "pairs", "vocab", "model", "hash_retrieval", "topology_rank",
-               "lr")  # one row per key
+               "lr", "steps")  # one row per key
 
 
 def _summary_key(row: dict) -> tuple:
