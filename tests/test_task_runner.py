@@ -13,6 +13,7 @@ from sheafgnn.experiments.task_runner import (
     TasksConfig,
     TaskSpec,
     TaskTokenizer,
+    earlier_occurrences,
     evaluate,
     main_tasks,
     parse_tasks_args,
@@ -79,7 +80,10 @@ def test_evaluate_scores_only_scored_positions():
     spec = TaskSpec("mqar", 64, 64, (64,), lambda b, n, g: mqar(b, n, 4, 64, g))
     site = SiteConfig.from_dict({"patch_types": []})
     result = evaluate(Oracle(64), spec, 64, 6, config, site)
-    assert result == {"accuracy": 1.0, "scored": 6 * 4, "rows": 6}
+    x, y = spec.sample(6, 64, torch.Generator().manual_seed(config.seed + 1_000_003 * 64 + 7))  # evaluate's rows
+    ambiguous = int((earlier_occurrences(x)[y != IGNORE_INDEX] >= 2).sum())
+    assert result == {"accuracy": 1.0, "scored": 6 * 4, "rows": 6, "accuracy_ambiguous": 1.0 if ambiguous else None,
+                      "scored_ambiguous": ambiguous, "accuracy_unambiguous": 1.0}
     wrong = Oracle(64)
     wrong.forward = lambda batch: nn.functional.one_hot(torch.zeros_like(batch["token"].y), 64).float()
     assert evaluate(wrong, spec, 64, 6, config, site)["accuracy"] == 0.0  # values are never id 0
@@ -116,6 +120,11 @@ def test_run_tasks_quick(tmp_path):
         for kind, m in r["models"].items():
             assert set(m["accuracy"]) == {str(n) for n in r["test_lens"]}, (task, kind)
             assert all(0.0 <= a <= 1.0 for a in m["accuracy"].values()) and m["train_loss"] > 0
+            for length, split in m["ambiguity"].items():  # the split adds up to the whole
+                whole, ambiguous = m["accuracy"][length] * m["scored"][length], split["scored_ambiguous"]
+                parts = (split["accuracy_ambiguous"] or 0.0) * ambiguous
+                parts += (split["accuracy_unambiguous"] or 0.0) * (m["scored"][length] - ambiguous)
+                assert parts == pytest.approx(whole)
     assert report["tasks"]["induction_heads"]["models"]["sheaf"]["scored"] == {"32": 4, "128": 2}
     for name in ("tasks.json", "tasks.md", "induction.png"):
         assert (tmp_path / name).stat().st_size > 0
@@ -146,3 +155,13 @@ def test_curve_and_summary_rows(tmp_path):
                                 models=("sheaf",), hash_retrieval=True, summary=str(summary)))
     rows = json.loads(summary.read_text())
     assert len(rows) == 7 and {r["hash_retrieval"] for r in rows if r["model"] == "sheaf"} == {True, False}
+
+
+def test_earlier_occurrences_counts_equal_ids_before_each_position():
+    x = torch.randint(0, 5, (3, 40), generator=torch.Generator().manual_seed(0))
+    expected = torch.tensor([[int((row[:t] == row[t]).sum()) for t in range(row.numel())] for row in x])
+    assert torch.equal(earlier_occurrences(x), expected)
+    # MQAR: a query key that also appears as noise after the pairs is seen twice before its query
+    x, y = mqar(64, 128, 8, 256, generator=torch.Generator().manual_seed(1))
+    counts = earlier_occurrences(x)[y != IGNORE_INDEX]
+    assert counts.min() >= 1 and 0 < (counts >= 2).float().mean() < 0.5

@@ -368,7 +368,8 @@ def markdown(report: dict) -> str:
     for kind, r in training.items():
         peak = r.get("train_peak_rss_bytes", r.get("train_peak_bytes"))
         lines.append(f"| {kind} | {r['options']['d_model']} | {r['params']:,} | {r['val_bpb']:.4f} "
-                     f"| {r['train_loss_smoothed']:.4f} | {r['val_loss']:.4f} | {r['train_tokens_per_s']:,.0f} | {r['infer_tokens_per_s']:,.0f} "
+                     f"| {r['train_loss_smoothed']:.4f} | {r['val_loss']:.4f} "
+                     f"| {r['train_tokens_per_s']:,.0f} | {r['infer_tokens_per_s']:,.0f} "
                      f"| {r['infer_tokens_per_s_with_site']:,.0f} | {_mib(peak)} "
                      f"| {_mib(r['train_peak_extra_bytes'])} |")
     kinds = list(sweep)

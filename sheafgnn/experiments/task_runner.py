@@ -287,23 +287,50 @@ def evaluate(model: nn.Module, spec: TaskSpec, length: int, examples: int, confi
     """Accuracy (argmax == target) over the scored positions of ``examples`` held-out rows of ``length``.
 
     The rows come from a generator seeded by (seed, length), different from
-    the training stream and the same for every model.
+    the training stream and the same for every model. The accuracy is also
+    split by whether the scored position's input id occurred at least twice
+    before it in its row (``ambiguous``): in MQAR, a query whose key also
+    appeared as noise after its pair, where the token after that earlier
+    occurrence is a decoy; in induction heads, a trigger seen more than once.
     """
     device, tokenizer = resolve_device(config.device), TaskTokenizer(spec.vocab_size)
     generator = torch.Generator().manual_seed(config.seed + 1_000_003 * length + 7)
     x, y = spec.sample(examples, length, generator)  # (R, T), (R, T)
+    ambiguous = earlier_occurrences(x) >= 2  # (R, T)
     rows = max(1, config.eval_tokens // length)  # rows per forward pass
     model.eval()
-    correct = scored = 0
+    correct = scored = correct_ambiguous = scored_ambiguous = 0
     for i in range(0, examples, rows):
         batch = to_sites(x[i : i + rows], y[i : i + rows], site_config, tokenizer).to(device)
         pred = model(batch).argmax(-1)  # (rows * T,)
         target = batch["token"].y
         mask = target != IGNORE_INDEX
-        correct += int((pred[mask] == target[mask]).sum())
-        scored += int(mask.sum())
+        hit = (pred[mask] == target[mask]).cpu()
+        hard = ambiguous[i : i + rows].flatten()[mask.cpu()]
+        correct, scored = correct + int(hit.sum()), scored + int(mask.sum())
+        correct_ambiguous += int(hit[hard].sum())
+        scored_ambiguous += int(hard.sum())
     model.train()
-    return {"accuracy": correct / max(scored, 1), "scored": scored, "rows": examples}
+    clear = scored - scored_ambiguous
+    return {"accuracy": correct / max(scored, 1), "scored": scored, "rows": examples,
+            "accuracy_ambiguous": correct_ambiguous / scored_ambiguous if scored_ambiguous else None,
+            "scored_ambiguous": scored_ambiguous,
+            "accuracy_unambiguous": (correct - correct_ambiguous) / clear if clear else None}
+
+
+def _fraction(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def earlier_occurrences(x: Tensor) -> Tensor:
+    """(R, T) how many times each row's id at t occurred at positions < t of the row (O(R T log T))."""
+    order = torch.sort(x, dim=1, stable=True).indices  # (R, T): by id, then position
+    ids = x.gather(1, order)
+    position = torch.arange(x.size(1)).expand_as(x)
+    group_start = torch.ones_like(ids, dtype=torch.bool)
+    group_start[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    rank = position - torch.where(group_start, position, 0).cummax(1).values  # earlier equal ids
+    return torch.empty_like(rank).scatter_(1, order, rank)
 
 
 def task_options(config: TasksConfig, vocab_size: int) -> tuple[dict[str, dict], dict[str, int]]:
@@ -342,17 +369,20 @@ def run_task(spec: TaskSpec, config: TasksConfig) -> dict:
         model = build_model(kind, options[kind], spec.vocab_size, site).to(device)
         result = {"params": counts[kind], "d_model": options[kind]["d_model"],
                   **train_task(model, spec, config, site_config, desc=f"{spec.name} {kind}")}
-        accuracy, scored = {}, {}
+        accuracy, scored, split = {}, {}, {}
         for length in tqdm(spec.test_lens, desc=f"test {kind}", disable=not config.progress, leave=False):
             examples = config.test_examples if length <= spec.train_len else config.induction_long_examples
             r = evaluate(model, spec, length, examples, config, site_config)
             accuracy[str(length)], scored[str(length)] = r["accuracy"], r["scored"]
-        result.update(accuracy=accuracy, scored=scored)
+            split[str(length)] = {k: r[k] for k in ("accuracy_ambiguous", "scored_ambiguous", "accuracy_unambiguous")}
+        result.update(accuracy=accuracy, scored=scored, ambiguity=split)
         result["curve"].append({"step": config.steps, "accuracy": accuracy[str(spec.train_len)],
                                 "loss": result["train_loss"]})
         print(f"{kind:<6} loss {result['train_loss']:.3f}  accuracy "
               + "  ".join(f"@{n}: {a:.3f}" for n, a in accuracy.items())
-              + f"  ({result['train_s']:.0f} s, {result['train_tokens_per_s']:.0f} train tok/s)")
+              + f"  ({result['train_s']:.0f} s, {result['train_tokens_per_s']:.0f} train tok/s); ambiguous "
+              + "  ".join(f"@{n}: {_fraction(r['accuracy_ambiguous'])} of {r['scored_ambiguous']}"
+                          for n, r in split.items()))
         out[kind] = result
     return {"vocab_size": spec.vocab_size, "train_len": spec.train_len, "test_lens": list(spec.test_lens),
             "models": out}
