@@ -109,10 +109,26 @@ def test_run_compare_quick(corpus, tmp_path):
         assert r["infer_tokens_per_s"] > 0 and r["train_peak_rss_bytes"] > 0
         assert abs(r["params"] - report["params"]["target"]) <= 0.1 * report["params"]["target"]
         assert [p["n"] for p in report["sweep"][kind]] == [32, 64]
-    for name in ("compare.json", "compare.md", "training.png", "sweep.png"):
+    for name in ("compare.json", "compare.md", "training.png", "curves.png", "sweep.png"):
         assert (tmp_path / name).stat().st_size > 0
     saved = json.loads((tmp_path / "compare.json").read_text())
     assert saved["caps"] == {"time_cap_s": 30.0, "memory_cap_gb": 8.0}
     text = (tmp_path / "compare.md").read_text()
     assert "| sheaf |" in text and "Caps, the same for every model" in text and "VmHWM" in text
     assert markdown(report).startswith("# sheafgnn compare")
+
+
+def test_lr_sweep_trains_each_model_at_its_best_lr(corpus, tmp_path):
+    config = CompareConfig.quick(corpus=corpus, out_dir=str(tmp_path), isolate=False, sweep=(32,), tokens=256,
+                                 models=("sheaf", "dense"), lr_sweep=(3e-2, 1e-4, 3e-3), sweep_tokens=128,
+                                 eval_points=2, num_threads=1)
+    report = run_compare(config)
+    for kind, rows in report["lr_sweep"].items():
+        assert [row["lr"] for row in rows] == [1e-4, 3e-3, 3e-2] and all(row["tokens"] == 128 for row in rows)
+        assert report["training"][kind]["lr"] == min(rows, key=lambda row: row["val_bpb"])["lr"]
+        curve = report["training"][kind]["curve"]  # two validations, the last one the final val_bpb
+        assert [p["tokens"] for p in curve] == [128, 256]
+        assert curve[-1]["val_bpb"] == pytest.approx(report["training"][kind]["val_bpb"], rel=1e-5)  # csv digits
+    assert "## Learning-rate sweep" in (tmp_path / "compare.md").read_text()
+    with pytest.raises(ValueError, match="lr_sweep"):
+        CompareConfig(lr_sweep=(0.0,))

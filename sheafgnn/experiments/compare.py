@@ -8,12 +8,15 @@ r"""``sheafgnn compare``: sheaf vs dense, local and ssm at equal parameters, tok
       -> matched_options        sheaf width fixed; dense/local/ssm widths matched to its
                                 parameter count within 10% (printed)
       -> per model, in a fresh process (spawn; --in-process for tests):
+           lr sweep (optional)   train_one at every lr of ``lr_sweep`` for ``sweep_tokens``;
+                                 the lr of the lowest validation bits/byte is the model's
            train_one             sheafgnn.train.train on the same corpus, seed, windows, tokens
-                                 -> val bits/byte, training tokens/s, peak memory,
+                                 -> val bits/byte (and its curve: ``eval_points`` validations
+                                    against tokens and seconds), training tokens/s, peak memory,
                                     inference tokens/s (forward, no grad, validation windows)
            sweep_one             build site + forward + backward of one window of n tokens,
                                  n = 1k ... 32k; a model stops at the first n over a cap
-      -> out_dir/compare.json  compare.md  training.png  sweep.png
+      -> out_dir/compare.json  compare.md  training.png  curves.png  sweep.png
          out_dir/train/<model>/  (each model's TrainConfig, metrics.csv, checkpoint; replaced per run)
 
 Peak memory is measured by :class:`sheafgnn.memory.PeakMemory` (read its docstring).
@@ -74,7 +77,10 @@ class CompareConfig(ConfigFile):
     context: int = 1024  # tokens per training window
     batch_size: int = 4  # windows per optimizer step
     tokens: int = 131072  # training tokens per model (the same for all)
-    lr: float = 1e-3  # peak learning rate (warm-up + cosine)
+    lr: float = 1e-3  # peak learning rate (warm-up + cosine), unless lr_sweep chooses one per model
+    lr_sweep: tuple[float, ...] = ()  # peak lrs tried per model on sweep_tokens; the best one trains
+    sweep_tokens: int = 0  # training tokens of each lr_sweep run (0: tokens // 8)
+    eval_points: int = 1  # validations per training run, evenly spaced (the learning curves)
     warmup_steps: int = 8  # linear warm-up steps
     eval_batches: int = 8  # validation batches of batch_size windows (the same windows for every model)
     inference_batches: int = 2  # validation batches timed for inference tokens/s
@@ -97,11 +103,15 @@ class CompareConfig(ConfigFile):
 
     def __post_init__(self) -> None:
         self.models, self.sweep = tuple(self.models), tuple(sorted(set(self.sweep)))
+        self.lr_sweep = tuple(sorted(set(self.lr_sweep)))
+        if any(not lr > 0 for lr in self.lr_sweep) or self.sweep_tokens < 0:
+            raise ValueError(f"CompareConfig: lr_sweep must hold positive lrs and sweep_tokens be >= 0 "
+                             f"(got {self.lr_sweep}, {self.sweep_tokens})")
         unknown = sorted(set(self.models) - set(MODEL_KINDS))
         if unknown or not self.models:
             raise ValueError(f"CompareConfig: models must be a non-empty subset of {MODEL_KINDS} (got {self.models})")
         for name in ("context", "batch_size", "tokens", "eval_batches", "inference_batches", "d_model",
-                     "n_layers", "n_heads", "window", "sweep_repeats"):
+                     "n_layers", "n_heads", "window", "sweep_repeats", "eval_points"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"CompareConfig: {name} must be a positive integer (got {value!r})")
@@ -143,14 +153,24 @@ def _site_of(kind: str, config: CompareConfig) -> dict:
     return dict(config.site) if kind == "sheaf" else dict(BASELINE_SITE)
 
 
-def _train_config(config: CompareConfig, kind: str, options: dict) -> TrainConfig:
-    steps = math.ceil(config.tokens / (config.batch_size * config.context))
+def _train_config(config: CompareConfig, kind: str, options: dict, lr: float, tokens: int,
+                  run: str) -> TrainConfig:
+    steps = math.ceil(tokens / (config.batch_size * config.context))
     return TrainConfig(model=kind, model_config=options, site=_site_of(kind, config), corpus=config.corpus,
-                       context=config.context, batch_size=config.batch_size, tokens=config.tokens, lr=config.lr,
-                       warmup_steps=min(config.warmup_steps, steps), seed=config.seed, eval_every=steps,
-                       eval_batches=config.eval_batches, checkpoint_every=steps, keep_checkpoints=1, log_every=1,
-                       out_dir=str(Path(config.out_dir) / "train" / kind), num_threads=config.num_threads,
+                       context=config.context, batch_size=config.batch_size, tokens=tokens, lr=lr,
+                       warmup_steps=min(config.warmup_steps, steps), seed=config.seed,
+                       eval_every=max(1, steps // config.eval_points), eval_batches=config.eval_batches,
+                       checkpoint_every=steps, keep_checkpoints=1, log_every=1,
+                       out_dir=str(Path(config.out_dir) / "train" / run), num_threads=config.num_threads,
                        device=config.device, tensorboard=False, progress=config.progress)
+
+
+def _validation_curve(metrics_csv: Path) -> list[dict]:
+    """The run's validations: tokens, seconds since the start and bits per byte at each."""
+    with open(metrics_csv, newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("val_bpb")]
+    return [{"tokens": int(r["tokens"]), "elapsed_s": float(r["elapsed_s"]), "val_bpb": float(r["val_bpb"])}
+            for r in rows]
 
 
 def _median_train_tokens_per_s(metrics_csv: Path, overall: float) -> float:
@@ -193,13 +213,17 @@ def _validation_windows(train_config: TrainConfig) -> WindowDataset:
     return WindowDataset(ids, train_config.context, SiteBuilder(SiteConfig.from_dict(train_config.site)))
 
 
-def train_one(config: CompareConfig, kind: str, options: dict) -> dict:
+def train_one(config: CompareConfig, kind: str, options: dict, lr: float | None = None,
+              tokens: int | None = None, run: str | None = None) -> dict:
     """Train one model with :func:`sheafgnn.train.train`; measure validation, speed and peak memory.
 
     The model is built exactly as ``train`` would build it (same seed), then
     trained in place so that inference can be timed on the trained weights.
+    ``lr``, ``tokens`` and the run folder ``out_dir/train/<run>`` default to
+    ``config.lr``, ``config.tokens`` and ``kind``.
     """
-    train_config = _train_config(config, kind, options)
+    lr = config.lr if lr is None else lr
+    train_config = _train_config(config, kind, options, lr, config.tokens if tokens is None else tokens, run or kind)
     out = Path(train_config.out_dir)
     if out.exists():
         shutil.rmtree(out)  # compare owns out_dir/train/<model>; a stale checkpoint would block train()
@@ -211,13 +235,25 @@ def train_one(config: CompareConfig, kind: str, options: dict) -> dict:
     model = build_model(kind, options, 256, train_config.site)
     with PeakMemory(device) as mem:
         result = train(train_config, model=model)
-    return {"model": kind, "params": result["params"], "steps": result["step"], "tokens": result["tokens"],
+    return {"model": kind, "lr": lr, "params": result["params"], "steps": result["step"], "tokens": result["tokens"],
             "train_loss": result["train_loss"], "train_loss_smoothed": result["train_loss_smoothed"],
             "val_loss": result["val_loss"], "val_bpb": result["val_bpb"],
             "train_tokens_per_s": _median_train_tokens_per_s(out / "metrics.csv", result["tokens_per_s"]),
             "train_tokens_per_s_overall": result["tokens_per_s"], "train_elapsed_s": result["elapsed_s"],
             **mem.as_dict("train_"), **_inference(model, validation, config, device),
-            "memory_method": mem.method, "options": options}
+            "memory_method": mem.method, "options": options, "curve": _validation_curve(out / "metrics.csv")}
+
+
+def lr_sweep_one(config: CompareConfig, kind: str, options: dict) -> list[dict]:
+    """``train_one`` at every lr of ``config.lr_sweep`` on ``sweep_tokens`` (the same data and seed);
+    rows of lr, validation bits/byte and training seconds."""
+    tokens = config.sweep_tokens or max(1, config.tokens // 8)
+    rows = []
+    for lr in config.lr_sweep:
+        r = train_one(config, kind, options, lr, tokens, f"{kind}_lr{lr:g}")
+        rows.append({"lr": lr, "tokens": r["tokens"], "val_bpb": r["val_bpb"], "train_elapsed_s": r["train_elapsed_s"]})
+        print(f"  {kind} lr {lr:g}: {r['val_bpb']:.4f} bits/byte after {r['tokens']:,} tokens", flush=True)
+    return rows
 
 
 def _sweep_ids(config: CompareConfig, n: int) -> torch.Tensor:
@@ -328,10 +364,15 @@ def run_compare(config: CompareConfig) -> dict:
     options, counts = matched_options(config.models, sheaf_options, 256, n_heads=config.n_heads,
                                       window=config.window, site=config.site, tolerance=config.tolerance)
     print_parameter_counts(options, counts)
-    training, sweep = {}, {}
+    training, sweep, lr_sweep = {}, {}, {}
     for kind in config.models:
-        print(f"\n== {kind}: training {config.tokens:,} tokens ==")
-        training[kind] = _in_child(config.isolate, train_one, config, kind, options[kind])
+        lr = config.lr
+        if config.lr_sweep:
+            print(f"\n== {kind}: learning-rate sweep {', '.join(f'{v:g}' for v in config.lr_sweep)} ==")
+            lr_sweep[kind] = _in_child(config.isolate, lr_sweep_one, config, kind, options[kind])
+            lr = min(lr_sweep[kind], key=lambda row: row["val_bpb"])["lr"]
+        print(f"\n== {kind}: training {config.tokens:,} tokens at lr {lr:g} ==")
+        training[kind] = _in_child(config.isolate, train_one, config, kind, options[kind], lr)
     for kind in tqdm(config.models, desc="context sweep", disable=not config.progress):
         try:
             sweep[kind] = _in_child(config.isolate, sweep_one, config, kind, options[kind])
@@ -339,7 +380,7 @@ def run_compare(config: CompareConfig) -> dict:
             reason = "the sweep process died (out of memory?); lower memory_cap_gb"
             sweep[kind] = [{"n": n, "skipped": True, "reason": reason} for n in config.sweep]
             print(f"sweep {kind}: {reason}", file=sys.stderr)
-    report = {"config": config.to_dict(), "params": counts, "training": training, "sweep": sweep,
+    report = {"config": config.to_dict(), "params": counts, "training": training, "lr_sweep": lr_sweep, "sweep": sweep,
               "ratios": speed_ratios(sweep),
               "caps": {"time_cap_s": config.time_cap_s, "memory_cap_gb": config.memory_cap_gb},
               "memory_method": next(iter(training.values()))["memory_method"],
@@ -362,16 +403,25 @@ def markdown(report: dict) -> str:
              f"{cfg['tokens']:,} training tokens per model, context {cfg['context']}, batch {cfg['batch_size']}, "
              f"seed {cfg['seed']}, corpus `{cfg['corpus']}` (byte tokenizer), device {report['device']}, "
              f"{report['threads']} thread(s) on {report['cpu_count']} CPU(s).\n",
-             "| model | d_model | params | val bits/byte | train loss, last 10% of steps (nats) | val loss (nats) "
-             "| train tok/s | infer tok/s | infer tok/s (with site) | peak train RSS (MiB) | peak train extra (MiB) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| model | d_model | params | peak lr | val bits/byte | train loss, last 10% of steps (nats) "
+             "| val loss (nats) | train tok/s | infer tok/s | infer tok/s (with site) | peak train RSS (MiB) "
+             "| peak train extra (MiB) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for kind, r in training.items():
         peak = r.get("train_peak_rss_bytes", r.get("train_peak_bytes"))
-        lines.append(f"| {kind} | {r['options']['d_model']} | {r['params']:,} | {r['val_bpb']:.4f} "
+        lines.append(f"| {kind} | {r['options']['d_model']} | {r['params']:,} | {r['lr']:g} | {r['val_bpb']:.4f} "
                      f"| {r['train_loss_smoothed']:.4f} | {r['val_loss']:.4f} "
                      f"| {r['train_tokens_per_s']:,.0f} | {r['infer_tokens_per_s']:,.0f} "
                      f"| {r['infer_tokens_per_s_with_site']:,.0f} | {_mib(peak)} "
                      f"| {_mib(r['train_peak_extra_bytes'])} |")
+    if report["lr_sweep"]:
+        rates = cfg["lr_sweep"]
+        lines += ["", f"## Learning-rate sweep: validation bits/byte after "
+                  f"{next(iter(report['lr_sweep'].values()))[0]['tokens']:,} tokens (the best trains in full)", "",
+                  "| model | " + " | ".join(f"lr {lr:g}" for lr in rates) + " |",
+                  "|---|" + "---:|" * len(rates)]
+        for kind, rows in report["lr_sweep"].items():
+            lines.append(f"| {kind} | " + " | ".join(f"{row['val_bpb']:.4f}" for row in rows) + " |")
     kinds = list(sweep)
     lines += ["", "## Context sweep: one window, site build + forward + backward", "",
               "Forward+backward seconds / peak extra MiB (site build seconds in brackets).", "",
@@ -409,7 +459,8 @@ def markdown(report: dict) -> str:
 
 
 def _figures(report: dict) -> dict:
-    """The report's figures by file name: training.png (bits per byte, tokens/s, memory), sweep.png."""
+    """The report's figures by file name: training.png (bits per byte, tokens/s, memory), curves.png
+    (validation bits per byte against training tokens and seconds), sweep.png."""
     plt = pyplot()
     training, sweep = report["training"], report["sweep"]
     kinds = list(training)
@@ -437,7 +488,17 @@ def _figures(report: dict) -> dict:
         ax.set_xlabel("context length n")
         ax.set_title(title)
         ax.legend()
-    return {"training.png": training_fig, "sweep.png": sweep_fig}
+    curves_fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for kind, r in training.items():
+        label = f"{kind} (lr {r['lr']:g})"
+        axes[0].plot([p["tokens"] for p in r["curve"]], [p["val_bpb"] for p in r["curve"]], "o-", label=label)
+        axes[1].plot([p["elapsed_s"] for p in r["curve"]], [p["val_bpb"] for p in r["curve"]], "o-", label=label)
+    for ax, xlabel in zip(axes, ("training tokens", "training seconds (validation included)")):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("validation bits per byte")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    return {"training.png": training_fig, "curves.png": curves_fig, "sweep.png": sweep_fig}
 
 
 # ---------------------------------------------------------------------------
