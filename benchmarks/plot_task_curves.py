@@ -5,7 +5,7 @@
     python benchmarks/plot_task_curves.py RUN_DIR [RUN_DIR ...] --out FIGURE.png
 
 Each RUN_DIR holds a ``tasks.json`` written by ``sheafgnn tasks`` with ``--eval-every``; the runs'
-models share one panel per task (:func:`sheafgnn.experiments.task_runner.curve_figure`), so that
+models share one panel per task (:func:`sheafgnn.experiments.task_report.curve_figure`), so that
 the sheaf model with and without the hash retrieval rule and the baselines sit side by side.
 """
 
@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from sheafgnn.experiments.report import save_figure
-from sheafgnn.experiments.task_runner import curve_figure
+from sheafgnn.experiments.task_report import curve_figure
 
 
 def main() -> None:

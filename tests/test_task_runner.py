@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from sheafgnn.experiments.task_report import shortfalls
 from sheafgnn.experiments.task_runner import (
     TASK_SITE,
     TasksConfig,
@@ -18,7 +19,6 @@ from sheafgnn.experiments.task_runner import (
     main_tasks,
     parse_tasks_args,
     run_tasks,
-    shortfalls,
     task_options,
     to_sites,
 )

@@ -5,6 +5,7 @@
     compare            sheaf vs dense, local and ssm at matched parameters   (sheafgnn compare)
     tasks              MQAR, selective copying, induction heads: generators
     task_runner        the three tasks for every model kind                  (sheafgnn tasks)
+    task_report        its summary rows, Markdown and figures
     synthetic          the paper's synthetic language with its dependency graph G*, scored
     simulation         the paper's table, the scaling run, the hop sweep     (sheafgnn simulate)
     learned_topology   a trained model's topology scored against G*          (sheafgnn simulate --learned)
