@@ -23,7 +23,7 @@ import sysconfig
 from collections import Counter
 from pathlib import Path
 
-from sheafgnn.data import GENERATED_MODULES, _code, _docs, _split_of
+from sheafgnn.data import GENERATED_MODULES, corpus_documents
 
 CONTEXT = 3  # bytes of context: a 4-gram model
 ALPHA = 0.1  # add-alpha smoothing over 256 byte values
@@ -52,15 +52,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
-    docs = {**_docs(), **_code(2_000_000)}
-    train = [name for name in sorted(docs) if _split_of(name) == "train"]
-    model = ByteNgram(b"\n\n".join(docs[n].encode() for i, n in enumerate(train) if i % 10))
+    train = corpus_documents("mixed", "train")
+    model = ByteNgram(b"\n\n".join(text.encode() for i, text in enumerate(train.values()) if i % 10))
 
     def score(name: str, text: str) -> dict:
         return {"name": name, "bytes": len(text.encode()), "bits_per_byte": model.bits_per_byte(text.encode())}
 
-    held_out = [score(n, docs[n]) for i, n in enumerate(train) if i % 10 == 0]
-    validation = [score(n, docs[n]) for n in sorted(docs) if _split_of(n) == "validation"]
+    held_out = [score(n, text) for i, (n, text) in enumerate(train.items()) if i % 10 == 0]
+    validation = [score(n, text) for n, text in corpus_documents("mixed", "validation").items()]
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     generated = [score(f"code/{p.name}", p.read_text(encoding="utf-8", errors="replace"))
                  for p in sorted(stdlib.glob("*.py")) if p.name.startswith(GENERATED_MODULES)]

@@ -9,7 +9,8 @@ machine with the same Python version.
 
 ::
 
-    load_corpus('mixed', 'train') -> list[str]
+    corpus_documents('mixed', 'train') -> {name: text}
+    load_corpus('mixed', 'train') -> list[str] (the texts)
     train_validation_text(corpus) -> (train text, validation text)
     WindowDataset(text, context, builder)[i] -> HeteroData (a causal site)
     StepSampler(num_windows, batch_size, seed, start_step, rank, world_size)
@@ -66,25 +67,36 @@ def _code(max_bytes: int) -> dict[str, str]:
     return out
 
 
-def load_corpus(kind: str = "mixed", split: str = "train", max_code_bytes: int = 2_000_000) -> list[str]:
-    """Documents of the embedded corpus.
+def corpus_documents(kind: str = "mixed", split: str | None = "train",
+                     max_code_bytes: int = 2_000_000) -> dict[str, str]:
+    """Documents of the embedded corpus by name (``docs/<topic>``, ``code/<module>.py``), in name order.
+
+    A document's split follows a hash of its name (90% train, 5% validation, 5% test), so adding a
+    document never moves another one; machine-generated modules (:data:`GENERATED_MODULES`) are left out.
 
     Args:
         kind (str): ``"docs"`` (pydoc topics), ``"code"`` (stdlib source) or
             ``"mixed"`` (both). (default: :obj:`"mixed"`)
-        split (str): ``"train"``, ``"validation"`` or ``"test"``.
+        split (str, optional): ``"train"``, ``"validation"``, ``"test"``, or :obj:`None` for every split.
         max_code_bytes (int): cap on the code read, in sorted file order.
     """
     if kind not in KINDS:
-        raise ValueError(f"load_corpus: kind must be one of {KINDS} (got {kind!r})")
-    if split not in SPLITS:
-        raise ValueError(f"load_corpus: split must be one of {SPLITS} (got {split!r})")
+        raise ValueError(f"corpus_documents: kind must be one of {KINDS} (got {kind!r})")
+    if split is not None and split not in SPLITS:
+        raise ValueError(f"corpus_documents: split must be one of {SPLITS} or None (got {split!r})")
     docs: dict[str, str] = {}
     if kind in ("docs", "mixed"):
         docs.update(_docs())
     if kind in ("code", "mixed"):
         docs.update(_code(max_code_bytes))
-    return [docs[name] for name in sorted(docs) if _split_of(name) == split]
+    return {name: docs[name] for name in sorted(docs) if split is None or _split_of(name) == split}
+
+
+def load_corpus(kind: str = "mixed", split: str = "train", max_code_bytes: int = 2_000_000) -> list[str]:
+    """The texts of :func:`corpus_documents` for one split, in name order."""
+    if split not in SPLITS:
+        raise ValueError(f"load_corpus: split must be one of {SPLITS} (got {split!r})")
+    return list(corpus_documents(kind, split, max_code_bytes).values())
 
 
 def corpus_text(kind: str = "mixed", split: str = "train", **kwargs) -> str:

@@ -132,3 +132,16 @@ def test_lr_sweep_trains_each_model_at_its_best_lr(corpus, tmp_path):
     assert "## Learning-rate sweep" in (tmp_path / "compare.md").read_text()
     with pytest.raises(ValueError, match="lr_sweep"):
         CompareConfig(lr_sweep=(0.0,))
+
+
+@pytest.mark.slow
+def test_models_train_at_once_in_their_own_processes(corpus, tmp_path):
+    config = CompareConfig.quick(corpus=corpus, out_dir=str(tmp_path), sweep=(32,), tokens=128,
+                                 models=("sheaf", "dense"), jobs=2, num_threads=1)
+    report = run_compare(config)
+    assert list(report["training"]) == ["sheaf", "dense"] and report["lr_sweep"] == {}
+    for kind, r in report["training"].items():
+        assert r["tokens"] == 128 and r["val_bpb"] > 0 and r["train_peak_rss_bytes"] > 0, kind
+    assert "2 models training at once" in (tmp_path / "compare.md").read_text()
+    with pytest.raises(ValueError, match="jobs > 1 needs isolate"):
+        CompareConfig(jobs=2, isolate=False)

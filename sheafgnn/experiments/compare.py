@@ -8,7 +8,7 @@ r"""``sheafgnn compare``: sheaf vs dense, local and ssm at equal parameters, tok
       -> matched_options        sheaf width fixed; dense/local/ssm widths matched to its
                                 parameter count within 10% (printed)
       -> per model, in a fresh process (spawn; --in-process for tests):
-           lr sweep (optional)   train_one at every lr of ``lr_sweep`` for ``sweep_tokens``;
+           lr sweep (optional)   training only, at every lr of ``lr_sweep`` for ``sweep_tokens``;
                                  the lr of the lowest validation bits/byte is the model's
            train_one             sheafgnn.train.train on the same corpus, seed, windows, tokens
                                  -> val bits/byte (and its curve: ``eval_points`` validations
@@ -42,7 +42,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from multiprocessing import get_context
@@ -97,6 +97,7 @@ class CompareConfig(ConfigFile):
     memory_cap_gb: float = 8.0  # ... or whose peak extra memory exceeds this (GiB)
     tolerance: float = 0.1  # largest parameter-count mismatch vs the sheaf model
     isolate: bool = True  # each model in a fresh process (honest peak memory); False: in this process
+    jobs: int = 1  # models trained at once, each in its own process (isolate); the context sweep runs alone
     device: str = "cpu"  # cpu | cuda | auto
     num_threads: int = 0  # torch CPU threads; 0: torch's default
     progress: bool = True  # tqdm bars
@@ -111,12 +112,14 @@ class CompareConfig(ConfigFile):
         if unknown or not self.models:
             raise ValueError(f"CompareConfig: models must be a non-empty subset of {MODEL_KINDS} (got {self.models})")
         for name in ("context", "batch_size", "tokens", "eval_batches", "inference_batches", "d_model",
-                     "n_layers", "n_heads", "window", "sweep_repeats", "eval_points"):
+                     "n_layers", "n_heads", "window", "sweep_repeats", "eval_points", "jobs"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"CompareConfig: {name} must be a positive integer (got {value!r})")
         if not self.sweep or min(self.sweep) < 2:
             raise ValueError(f"CompareConfig: sweep must hold context lengths >= 2 (got {self.sweep})")
+        if self.jobs > 1 and not self.isolate:
+            raise ValueError("CompareConfig: jobs > 1 needs isolate (one process per model)")
         if not (self.time_cap_s > 0 and self.memory_cap_gb > 0 and 0 < self.tolerance < 1):
             raise ValueError(f"CompareConfig: need time_cap_s > 0, memory_cap_gb > 0, 0 < tolerance < 1 "
                              f"(got {self.time_cap_s}, {self.memory_cap_gb}, {self.tolerance})")
@@ -213,45 +216,47 @@ def _validation_windows(train_config: TrainConfig) -> WindowDataset:
     return WindowDataset(ids, train_config.context, SiteBuilder(SiteConfig.from_dict(train_config.site)))
 
 
-def train_one(config: CompareConfig, kind: str, options: dict, lr: float | None = None,
-              tokens: int | None = None, run: str | None = None) -> dict:
-    """Train one model with :func:`sheafgnn.train.train`; measure validation, speed and peak memory.
-
-    The model is built exactly as ``train`` would build it (same seed), then
-    trained in place so that inference can be timed on the trained weights.
-    ``lr``, ``tokens`` and the run folder ``out_dir/train/<run>`` default to
-    ``config.lr``, ``config.tokens`` and ``kind``.
-    """
-    lr = config.lr if lr is None else lr
-    train_config = _train_config(config, kind, options, lr, config.tokens if tokens is None else tokens, run or kind)
+def _fit(config: CompareConfig, kind: str, options: dict, lr: float, tokens: int, run: str
+         ) -> tuple[nn.Module, dict, TrainConfig]:
+    """Build the model exactly as :func:`sheafgnn.train.train` would (same seed) and train it in place
+    under ``out_dir/train/<run>``, so that the trained weights stay at hand; (model, train's result, its
+    config)."""
+    train_config = _train_config(config, kind, options, lr, tokens, run)
     out = Path(train_config.out_dir)
     if out.exists():
-        shutil.rmtree(out)  # compare owns out_dir/train/<model>; a stale checkpoint would block train()
-    device = resolve_device(config.device)
+        shutil.rmtree(out)  # compare owns out_dir/train/<run>; a stale checkpoint would block train()
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    validation = _validation_windows(train_config)
     torch.manual_seed(config.seed)  # as train() does before build_model
     model = build_model(kind, options, 256, train_config.site)
+    return model, train(train_config, model=model), train_config
+
+
+def train_one(config: CompareConfig, kind: str, options: dict, lr: float | None = None) -> dict:
+    """Train one model (``config.lr`` unless ``lr``) on ``config.tokens``; measure validation, training
+    and inference speed and peak memory, inference on the trained weights."""
+    lr = config.lr if lr is None else lr
+    device = resolve_device(config.device)
     with PeakMemory(device) as mem:
-        result = train(train_config, model=model)
+        model, result, train_config = _fit(config, kind, options, lr, config.tokens, kind)
+    out = Path(train_config.out_dir)
     return {"model": kind, "lr": lr, "params": result["params"], "steps": result["step"], "tokens": result["tokens"],
             "train_loss": result["train_loss"], "train_loss_smoothed": result["train_loss_smoothed"],
             "val_loss": result["val_loss"], "val_bpb": result["val_bpb"],
             "train_tokens_per_s": _median_train_tokens_per_s(out / "metrics.csv", result["tokens_per_s"]),
             "train_tokens_per_s_overall": result["tokens_per_s"], "train_elapsed_s": result["elapsed_s"],
-            **mem.as_dict("train_"), **_inference(model, validation, config, device),
+            **mem.as_dict("train_"), **_inference(model, _validation_windows(train_config), config, device),
             "memory_method": mem.method, "options": options, "curve": _validation_curve(out / "metrics.csv")}
 
 
 def lr_sweep_one(config: CompareConfig, kind: str, options: dict) -> list[dict]:
-    """``train_one`` at every lr of ``config.lr_sweep`` on ``sweep_tokens`` (the same data and seed);
-    rows of lr, validation bits/byte and training seconds."""
+    """Train at every lr of ``config.lr_sweep`` on ``sweep_tokens`` (the same data and seed), measuring
+    nothing but validation; rows of lr, validation bits/byte and training seconds."""
     tokens = config.sweep_tokens or max(1, config.tokens // 8)
     rows = []
     for lr in config.lr_sweep:
-        r = train_one(config, kind, options, lr, tokens, f"{kind}_lr{lr:g}")
-        rows.append({"lr": lr, "tokens": r["tokens"], "val_bpb": r["val_bpb"], "train_elapsed_s": r["train_elapsed_s"]})
+        _, r, _ = _fit(config, kind, options, lr, tokens, f"{kind}_lr{lr:g}")
+        rows.append({"lr": lr, "tokens": r["tokens"], "val_bpb": r["val_bpb"], "train_elapsed_s": r["elapsed_s"]})
         print(f"  {kind} lr {lr:g}: {r['val_bpb']:.4f} bits/byte after {r['tokens']:,} tokens", flush=True)
     return rows
 
@@ -348,6 +353,18 @@ def speed_ratios(sweep: dict[str, list[dict]], at: tuple[int, ...] = RATIO_AT) -
     return out
 
 
+def _train_model(config: CompareConfig, kind: str, options: dict) -> tuple[list[dict], dict]:
+    """One model's learning-rate sweep (when configured), then its training at the best lr, each in a
+    fresh process (``isolate``): (sweep rows, :func:`train_one`'s result)."""
+    lr, rows = config.lr, []
+    if config.lr_sweep:
+        print(f"\n== {kind}: learning-rate sweep {', '.join(f'{v:g}' for v in config.lr_sweep)} ==", flush=True)
+        rows = _in_child(config.isolate, lr_sweep_one, config, kind, options)
+        lr = min(rows, key=lambda row: row["val_bpb"])["lr"]
+    print(f"\n== {kind}: training {config.tokens:,} tokens at lr {lr:g} ==", flush=True)
+    return rows, _in_child(config.isolate, train_one, config, kind, options, lr)
+
+
 def run_compare(config: CompareConfig) -> dict:
     """Train and sweep every model of ``config``; write the report; return it as a dict.
 
@@ -364,15 +381,11 @@ def run_compare(config: CompareConfig) -> dict:
     options, counts = matched_options(config.models, sheaf_options, 256, n_heads=config.n_heads,
                                       window=config.window, site=config.site, tolerance=config.tolerance)
     print_parameter_counts(options, counts)
-    training, sweep, lr_sweep = {}, {}, {}
-    for kind in config.models:
-        lr = config.lr
-        if config.lr_sweep:
-            print(f"\n== {kind}: learning-rate sweep {', '.join(f'{v:g}' for v in config.lr_sweep)} ==")
-            lr_sweep[kind] = _in_child(config.isolate, lr_sweep_one, config, kind, options[kind])
-            lr = min(lr_sweep[kind], key=lambda row: row["val_bpb"])["lr"]
-        print(f"\n== {kind}: training {config.tokens:,} tokens at lr {lr:g} ==")
-        training[kind] = _in_child(config.isolate, train_one, config, kind, options[kind], lr)
+    with ThreadPoolExecutor(max_workers=config.jobs) as pool:  # each thread waits on its model's processes
+        runs = dict(zip(config.models, pool.map(lambda kind: _train_model(config, kind, options[kind]),
+                                                config.models)))
+    lr_sweep = {kind: rows for kind, (rows, _) in runs.items() if rows}
+    training, sweep = {kind: result for kind, (_, result) in runs.items()}, {}
     for kind in tqdm(config.models, desc="context sweep", disable=not config.progress):
         try:
             sweep[kind] = _in_child(config.isolate, sweep_one, config, kind, options[kind])
@@ -450,11 +463,16 @@ def markdown(report: dict) -> str:
                          f"{r['total_time_ratio']:.2f}x with site building), peak extra memory "
                          f"{r['memory_ratio']:.3f} of dense's ({_mib(r['sheaf_peak_extra_bytes'])} vs "
                          f"{_mib(r['dense_peak_extra_bytes'])} MiB)")
+    if not cfg["isolate"]:
+        where = ("this one process, one after another (--in-process; free memory is trimmed before each phase, "
+                 "but what earlier models left cached can make later models' extra memory read low).")
+    elif cfg.get("jobs", 1) > 1:
+        where = (f"its own fresh process, {cfg['jobs']} models training at once (their training tokens/s share the "
+                 "machine); the context sweep ran one model at a time.")
+    else:
+        where = "its own fresh process."
     lines += ["", f"Memory: {report['memory_method']}; 'extra' is the peak minus the resident set at the start of "
-              "the phase (see `sheafgnn.experiments.compare`). Each model ran in "
-              + ("its own fresh process." if cfg["isolate"] else "this one process, one after another (--in-process; "
-                 "free memory is trimmed before each phase, but what earlier models left cached can make later "
-                 "models' extra memory read low).")]
+              f"the phase (see `sheafgnn.experiments.compare`). Each model ran in {where}"]
     return "\n".join(lines) + "\n"
 
 

@@ -246,6 +246,14 @@ def gated_rms_norm(y: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
     return _GatedRMSNorm.apply(y, z, weight, eps)
 
 
+def _scan_precision(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """The scan's inputs in float32 when ``x`` (the first) is half precision: log decays need fp32,
+    as in Mamba."""
+    if tensors[0].dtype in (torch.float16, torch.bfloat16):
+        return tuple(t.float() for t in tensors)
+    return tensors
+
+
 def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
              reset: Tensor | None = None, chunk_size: int = 64,
              return_final_state: bool = False) -> Tensor | tuple[Tensor, Tensor]:
@@ -293,8 +301,7 @@ def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
         return (y, x.new_zeros(H, P, N)) if return_final_state else y
 
     out_dtype = x.dtype
-    if out_dtype in (torch.float16, torch.bfloat16):  # log decays need fp32, as in Mamba
-        x, dt, A, B, C = (t.float() for t in (x, dt, A, B, C))
+    x, dt, A, B, C = _scan_precision(x, dt, A, B, C)
     starts = chain_starts(reset, L, x.device)  # (L,)
     x, dt, B, C, starts = _pad_to_chunks(chunk_size, x, dt, B, C, starts)  # length T*Q
     y, h_end = _scan_chunks(x, dt, A, B, C, starts, chunk_size)  # (T*Q, H, P), (T, H, P, N)
@@ -329,8 +336,7 @@ def ssd_scan_chains(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, rese
         raise ValueError(f"ssd_scan_chains: initial_state must have shape {(first.numel(), H, P, N)} "
                          f"(got {tuple(initial_state.shape)})")
     out_dtype = x.dtype
-    if out_dtype in (torch.float16, torch.bfloat16):  # log decays need fp32, as in Mamba
-        x, dt, A, B, C, initial_state = (t.float() for t in (x, dt, A, B, C, initial_state))
+    x, dt, A, B, C, initial_state = _scan_precision(x, dt, A, B, C, initial_state)
     length = torch.diff(first, append=first.new_tensor([L]))  # (num_chains,)
     Q = min(chunk_size, 1 << (int(length.max()) - 1).bit_length())
     chunks = (length + Q - 1) // Q  # (num_chains,) whole chunks per chain
