@@ -20,6 +20,15 @@ measured). The fp32 run is also quantised after training, without QAT
 within 3%. With ``--seeds 0 1 2`` the spread between seeds shows the noise
 that a 1% target is measured against.
 
+``--init RUN_DIR`` starts every variant from a trained model instead of from
+scratch: the run directory of ``sheafgnn train`` (or of one model of
+``sheafgnn compare``, ``out/train/sheaf``) gives the model, site, context,
+batch and corpus (its ``config.yaml``) and the weights (its latest
+checkpoint). Each variant then fine-tunes ``--steps`` steps from those weights
+(QAT for the quantised ones, plain training for fp32, the same steps and data),
+so that the deltas are measured on a model that has learned something; the
+checkpoint's own bits per byte is reported as ``init_bpb``.
+
 Cost: a step of 8 x 256 tokens took about 2.8 s on 2 shared, loaded CPU
 cores (d_model 64, 2 layers), so the default (200 steps = 410k tokens per
 variant, 4 variants, one seed) takes roughly 20-40 minutes there; ``--steps
@@ -28,7 +37,7 @@ variant, 4 variants, one seed) takes roughly 20-40 minutes there; ``--steps
 Usage::
 
     python benchmarks/bench_quant.py [--steps 200] [--seeds 0 1 2] [--variants fp32 int8 int4_maps int4]
-        [--threads 2] [--out benchmarks/results]      -> quant.json, quant.png
+        [--init RUN_DIR] [--threads 2] [--out benchmarks/results]      -> quant.json, quant.png
 """
 
 from __future__ import annotations
@@ -67,13 +76,28 @@ TARGETS = {"int8": 1.0, "int4_maps": 3.0}  # max % above fp32 bits per byte
 
 
 def train_config(args, variant: str, seed: int, out_dir: Path) -> TrainConfig:
-    model_config = {"d_model": args.d_model, "n_layers": args.n_layers, "quant": VARIANTS[variant]}
-    return TrainConfig(model="sheaf", model_config=model_config, corpus=args.corpus, context=args.context,
-                       batch_size=args.batch_size, steps=args.steps, lr=args.lr,
+    """The run of one variant: from the flags, or from the ``--init`` run's config (model, site, data)."""
+    quant = VARIANTS[variant]
+    if args.init:
+        init = TrainConfig.load(Path(args.init) / "config.yaml")
+        data = {"model_config": {**init.model_config, "quant": quant}, "site": init.site, "corpus": init.corpus,
+                "context": init.context, "batch_size": init.batch_size}
+    else:
+        data = {"model_config": {"d_model": args.d_model, "n_layers": args.n_layers, "quant": quant},
+                "corpus": args.corpus, "context": args.context, "batch_size": args.batch_size}
+    return TrainConfig(model="sheaf", **data, steps=args.steps, lr=args.lr,
                        warmup_steps=min(100, max(1, args.steps // 10)), eval_every=args.steps,
                        eval_batches=args.eval_batches, checkpoint_every=args.steps, keep_checkpoints=1,
                        out_dir=str(out_dir), num_threads=args.threads, seed=seed, tensorboard=False,
                        progress=args.progress, device="cpu")
+
+
+def init_checkpoint(run_dir: str) -> Path:
+    """The latest checkpoint of the training run at ``run_dir``."""
+    path = ckpt.latest_checkpoint(Path(run_dir) / "checkpoints")
+    if path is None or not (Path(run_dir) / "config.yaml").exists():
+        raise SystemExit(f"--init {run_dir}: not a training run directory (config.yaml and checkpoints/latest)")
+    return path
 
 
 def validation_batches(config: TrainConfig) -> list:
@@ -102,7 +126,7 @@ def run_one(args, variant: str, seed: int, work: Path, batches: list) -> list[di
     out_dir = work / f"{variant}_seed{seed}"
     shutil.rmtree(out_dir, ignore_errors=True)  # our own scratch run directory
     config = train_config(args, variant, seed, out_dir)
-    result = train(config)
+    result = train(config, model=trained_model(config, init_checkpoint(args.init)).train() if args.init else None)
     model = trained_model(config, result["checkpoint"])
     row = {"variant": variant, "seed": seed, "quant": VARIANTS[variant], "qat": True, "steps": result["step"],
            "tokens": result["tokens"], "train_s": round(result["elapsed_s"], 1),
@@ -205,6 +229,8 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--work-dir", default=None, help="keep the training runs here (default: a temp dir)")
     parser.add_argument("--progress", action="store_true", help="show the training progress bars")
+    parser.add_argument("--init", default=None, help="a training run directory: fine-tune every variant from its "
+                        "latest checkpoint, with its model, site, context, batch and corpus (see above)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if "fp32" not in args.variants:
@@ -213,9 +239,13 @@ def main() -> None:
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="bench_quant_"))
     work.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    runs = []
+    runs, init_bpb = [], None
     try:
-        batches = validation_batches(train_config(args, "fp32", 0, work / "_val"))
+        reference = train_config(args, "fp32", 0, work / "_val")
+        batches = validation_batches(reference)
+        if args.init:
+            init_bpb, _ = timed_bpb(trained_model(reference, init_checkpoint(args.init)), batches)
+            print(f"--init {args.init}: val bpb {init_bpb:.4f} before fine-tuning", flush=True)
         for seed in args.seeds:
             for variant in args.variants:
                 rows = run_one(args, variant, seed, work, batches)
@@ -234,6 +264,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     result = {
         "benchmark": "quant", "settings": vars(args), "tokens_per_run": runs[0]["tokens"],
+        "init_bpb": init_bpb,
         "platform": {"python": platform.python_version(), "torch": torch.__version__,
                      "machine": platform.machine(), "threads": args.threads},
         "wall_s": round(time.perf_counter() - start, 1), "summary": summary, "runs": runs,

@@ -96,9 +96,14 @@ class TokenStream:
 
     A subclass whose model can take only so many tokens sets
     :attr:`max_tokens`; :meth:`feed` and :meth:`sample` then refuse to go past it.
+    A long feed is run in pieces of at most :attr:`feed_tokens` tokens over all
+    streams (``feed_tokens // B`` per stream): the logits are the same, and the
+    memory of one feed stays bounded (16 prompts of 32k tokens at once would be a
+    forward pass over 512k tokens).
     """
 
     max_tokens: int | None = None  # the most tokens one stream can hold (None: no limit); feed checks it
+    feed_tokens: int = 16384  # the most tokens (all streams together) one _feed call takes; feed splits longer ones
 
     def __init__(self, batch_size: int, vocab_size: int) -> None:
         for name, value in (("batch_size", batch_size), ("vocab_size", vocab_size)):
@@ -154,7 +159,13 @@ class TokenStream:
         return out
 
     def _advance(self, ids: list[Tensor]) -> list[Tensor]:
-        """Run the validated ``ids`` through :meth:`_feed`; update counts and last logits."""
+        """Run the validated ``ids`` through :meth:`_feed` in pieces of at most :attr:`feed_tokens`
+        tokens; update counts and last logits."""
+        piece = max(1, self.feed_tokens // self.batch_size)  # tokens per stream per _feed call
+        longest = max(x.numel() for x in ids)
+        if longest > piece:
+            pieces = [self._advance([x[start : start + piece] for x in ids]) for start in range(0, longest, piece)]
+            return [torch.cat(rows) for rows in zip(*pieces, strict=True)]
         with torch.inference_mode():
             logits = self._feed(ids)
         for b, (x, rows) in enumerate(zip(ids, logits, strict=True)):

@@ -49,6 +49,7 @@ from torch.utils.checkpoint import checkpoint
 from torch_geometric.data import HeteroData
 
 from sheafgnn.config import ConfigFile
+from sheafgnn.memory import keep_freed_memory
 from sheafgnn.nn.experts import PatchExperts
 from sheafgnn.nn.quant import apply_quant, validate_quant
 from sheafgnn.nn.segment import ptr_from_index, segment_mean
@@ -87,6 +88,7 @@ class SheafStateConfig(ConfigFile):
     gluing: bool = True  # False: Phi + token feed-forward only (the ssm ablation)
     validate_sites: bool = True  # run validate_site (schema + causality) on every input; O(edges)
     checkpoint_blocks: bool = False  # training: recompute each block in backward (torch.utils.checkpoint)
+    tune_cpu_allocator: bool = True  # construction calls sheafgnn.memory.keep_freed_memory (process-wide, speed only)
     site: dict = field(default_factory=dict)  # SiteConfig fields for build_site
     quant: dict = field(default_factory=dict)  # QuantVect {maps, experts, map_values}: none|int8|int4|ternary
 
@@ -229,6 +231,11 @@ class SheafStateLM(nn.Module):
         self.blocks = nn.ModuleList(SheafBlock(config) for _ in range(config.n_layers))
         self.norm_out = nn.LayerNorm(D)
         self.reset_parameters()
+        if config.tune_cpu_allocator:
+            # Linear cost needs it: glibc unmaps every freed buffer over 32 MiB, so each large activation of
+            # a long context pays its page faults again on every step (fwd+bwd slope 1.32 instead of 1.05
+            # from 4k to 64k tokens, benchmarks/bench_model.py). It sets the whole process's allocator.
+            keep_freed_memory()
         apply_quant(self, config.quant)  # fake-quantised maps / experts (sheafgnn.nn.quant); no-op if empty
 
     def reset_parameters(self) -> None:

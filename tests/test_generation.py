@@ -213,3 +213,22 @@ def test_a_subclass_only_implements_feed():
     assert stream.num_tokens == [5, 6] and repr(stream) == "BigramStream(batch_size=2, num_tokens=[5, 6])"
     with pytest.raises(NotImplementedError, match="must implement _feed"):
         TokenStream(1, 4).feed(torch.tensor([1]))
+
+
+class CountingStream(BigramStream):
+    """BigramStream that records the ids of every _feed call."""
+
+    def _feed(self, ids: list[Tensor]) -> list[Tensor]:
+        self.calls.append([x.tolist() for x in ids])
+        return super()._feed(ids)
+
+
+def test_a_long_feed_runs_in_pieces_of_feed_tokens():
+    stream = CountingStream(2, 10)
+    stream.calls, stream.feed_tokens = [], 6  # 3 tokens per stream per _feed call
+    ids = [torch.arange(8) % 10, torch.tensor([5, 6])]
+    out = stream.feed(ids)
+    assert stream.calls == [[[0, 1, 2], [5, 6]], [[3, 4, 5], []], [[6, 7], []]]
+    assert [o.shape for o in out] == [(8, 10), (2, 10)] and stream.num_tokens == [8, 2]
+    whole = BigramStream(2, 10).feed(ids)
+    assert all(torch.equal(a, b) for a, b in zip(out, whole))

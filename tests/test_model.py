@@ -219,3 +219,11 @@ def test_checkpoint_blocks_gives_the_same_loss_and_gradients(full_config):
     assert len(grad_a) == len(grad_b)
     for a, b in zip(grad_a, grad_b):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tune", [True, False])
+def test_the_model_tunes_the_cpu_allocator_unless_told_not_to(monkeypatch, tune):
+    calls = []
+    monkeypatch.setattr("sheafgnn.model.keep_freed_memory", lambda: calls.append(1) or True)
+    SheafStateLM(SheafStateConfig(d_model=16, n_layers=1, tune_cpu_allocator=tune))
+    assert len(calls) == int(tune)

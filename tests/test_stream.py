@@ -107,3 +107,13 @@ def test_bad_feed_loses_nothing(full_config):
             stream.feed(bad)
     rest = stream.feed(ids[30:])
     torch.testing.assert_close(torch.cat([first, rest]), _full_logits(model, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_a_long_feed_split_into_pieces_equals_the_forward(full_config):
+    model = _model(full_config)
+    ids = torch.tensor(list(PROSE.encode()))
+    stream = model.stream(batch_size=2)
+    stream.feed_tokens = 46  # 23 tokens per stream per piece
+    logits = stream.feed([ids, ids[:50]])
+    torch.testing.assert_close(logits[0], _full_logits(model, ids), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[1], _full_logits(model, ids[:50]), atol=1e-4, rtol=1e-4)

@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -253,9 +253,9 @@ def lr_sweep_one(config: CompareConfig, kind: str, options: dict) -> list[dict]:
     """Train at every lr of ``config.lr_sweep`` on ``sweep_tokens`` (the same data and seed), measuring
     nothing but validation; rows of lr, validation bits/byte and training seconds."""
     tokens = config.sweep_tokens or max(1, config.tokens // 8)
-    rows = []
+    rows, final_only = [], replace(config, eval_points=1)  # a sweep run needs its last validation only
     for lr in config.lr_sweep:
-        _, r, _ = _fit(config, kind, options, lr, tokens, f"{kind}_lr{lr:g}")
+        _, r, _ = _fit(final_only, kind, options, lr, tokens, f"{kind}_lr{lr:g}")
         rows.append({"lr": lr, "tokens": r["tokens"], "val_bpb": r["val_bpb"], "train_elapsed_s": r["elapsed_s"]})
         print(f"  {kind} lr {lr:g}: {r['val_bpb']:.4f} bits/byte after {r['tokens']:,} tokens", flush=True)
     return rows
