@@ -84,13 +84,13 @@ class ConfigFile:
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
         """One flag per field (``--field-name``) with default None, so that the flags given can be told apart."""
-        defaults = cls()
+        defaults, hints = cls(), typing.get_type_hints(cls)
         for f in fields(cls):
             if f.name in skip:
                 continue
             value, flag = getattr(defaults, f.name), "--" + f.name.replace("_", "-")
             if isinstance(value, tuple):
-                kind = type(value[0]) if value else str
+                kind = (typing.get_args(hints[f.name]) or (str,))[0]  # tuple[float, ...] -> float, even when empty
                 parser.add_argument(flag, nargs="+", type=kind, help=f"(default: {' '.join(map(str, value))})")
             elif isinstance(value, dict):
                 parser.add_argument(flag, type=json.loads, help=f"JSON object of fields (default: {json.dumps(value)})")

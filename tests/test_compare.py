@@ -91,6 +91,8 @@ def test_parse_args():
     assert config.tokens == 512 and config.models == ("sheaf", "dense") and config.sweep == (64, 256)
     assert config.site == {"local_window": 4} and not config.isolate and config.out_dir == "x"
     assert config.context == 64  # from the quick preset
+    # a tuple field whose default is empty still parses to its annotated element type
+    assert parse_compare_args(["--lr-sweep", "2e-3", "1e-3", "--jobs", "2"]).lr_sweep == (1e-3, 2e-3)
     default = parse_compare_args([])
     assert default.sweep == (1024, 2048, 4096, 8192, 16384, 32768) and default.isolate
     with pytest.raises(ValueError, match="models must be"):
