@@ -109,6 +109,7 @@ def test_run_compare_quick(corpus, tmp_path):
     for kind, r in report["training"].items():
         assert r["tokens"] == config.tokens and r["val_bpb"] > 0 and r["train_tokens_per_s"] > 0, kind
         assert r["infer_tokens_per_s"] > 0 and r["train_peak_rss_bytes"] > 0
+        assert r["train_windows_loss"] > 0 and r["validation_windows_loss"] > 0
         assert abs(r["params"] - report["params"]["target"]) <= 0.1 * report["params"]["target"]
         assert [p["n"] for p in report["sweep"][kind]] == [32, 64]
     for name in ("compare.json", "compare.md", "training.png", "curves.png", "sweep.png"):

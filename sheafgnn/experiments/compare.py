@@ -58,8 +58,8 @@ from sheafgnn.data import WindowDataset, train_validation_text
 from sheafgnn.experiments.report import config_from_args, pyplot, report_parser, run_report_command, write_report
 from sheafgnn.lm import MODEL_KINDS, build_model, matched_options, print_parameter_counts
 from sheafgnn.memory import PeakMemory, keep_freed_memory
-from sheafgnn.site import ByteTokenizer, SiteBuilder, SiteConfig, build_site
-from sheafgnn.train import TrainConfig, resolve_device, train
+from sheafgnn.site import ByteTokenizer, SiteConfig, build_site
+from sheafgnn.train import TrainConfig, build_datasets, evaluate, resolve_device, train
 
 SWEEP = (1024, 2048, 4096, 8192, 16384, 32768)
 RATIO_AT = (16384, 32768)  # context lengths of the sheaf vs dense speed ratios
@@ -210,10 +210,16 @@ def _inference(model: nn.Module, dataset, config: CompareConfig, device: torch.d
             **mem.as_dict("infer_")}
 
 
-def _validation_windows(train_config: TrainConfig) -> WindowDataset:
-    """The validation windows that ``train`` evaluates on (byte tokenizer)."""
-    ids = ByteTokenizer().encode(train_validation_text(train_config.corpus)[1])
-    return WindowDataset(ids, train_config.context, SiteBuilder(SiteConfig.from_dict(train_config.site)))
+def _spread_loss(model: nn.Module, windows: WindowDataset, config: CompareConfig, device: torch.device) -> float:
+    """Next-token loss (nats/token; the forward's logits only, no auxiliary loss) on ``eval_batches x
+    batch_size`` windows spread evenly over ``windows``: one measure for training and validation text."""
+    n = min(len(windows), config.eval_batches * config.batch_size)
+    picks = torch.linspace(0, len(windows) - 1, n).round().long().tolist()
+    batches = []
+    for start in range(0, n, config.batch_size):
+        batch = Batch.from_data_list([windows[i] for i in picks[start : start + config.batch_size]])
+        batches.append((batch.to(device), int((batch["token"].y != -100).sum())))  # byte tokenizer: a byte each
+    return evaluate(model, batches, device, False, 1)["val_loss"]
 
 
 def _fit(config: CompareConfig, kind: str, options: dict, lr: float, tokens: int, run: str
@@ -239,13 +245,14 @@ def train_one(config: CompareConfig, kind: str, options: dict, lr: float | None 
     device = resolve_device(config.device)
     with PeakMemory(device) as mem:
         model, result, train_config = _fit(config, kind, options, lr, config.tokens, kind)
-    out = Path(train_config.out_dir)
+    out, windows = Path(train_config.out_dir), build_datasets(train_config)[1]  # train and validation windows
     return {"model": kind, "lr": lr, "params": result["params"], "steps": result["step"], "tokens": result["tokens"],
             "train_loss": result["train_loss"], "train_loss_smoothed": result["train_loss_smoothed"],
             "val_loss": result["val_loss"], "val_bpb": result["val_bpb"],
             "train_tokens_per_s": _median_train_tokens_per_s(out / "metrics.csv", result["tokens_per_s"]),
             "train_tokens_per_s_overall": result["tokens_per_s"], "train_elapsed_s": result["elapsed_s"],
-            **mem.as_dict("train_"), **_inference(model, _validation_windows(train_config), config, device),
+            **{f"{split}_windows_loss": _spread_loss(model, windows[split], config, device) for split in windows},
+            **mem.as_dict("train_"), **_inference(model, windows["validation"], config, device),
             "memory_method": mem.method, "options": options, "curve": _validation_curve(out / "metrics.csv")}
 
 
@@ -416,17 +423,23 @@ def markdown(report: dict) -> str:
              f"{cfg['tokens']:,} training tokens per model, context {cfg['context']}, batch {cfg['batch_size']}, "
              f"seed {cfg['seed']}, corpus `{cfg['corpus']}` (byte tokenizer), device {report['device']}, "
              f"{report['threads']} thread(s) on {report['cpu_count']} CPU(s).\n",
-             "| model | d_model | params | peak lr | val bits/byte | train loss, last 10% of steps (nats) "
-             "| val loss (nats) | train tok/s | infer tok/s | infer tok/s (with site) | peak train RSS (MiB) "
-             "| peak train extra (MiB) |",
+             "| model | d_model | params | peak lr | val bits/byte | training objective, last 10% of steps (nats) "
+             "| loss on train / val windows (nats) | train tok/s | infer tok/s | infer tok/s (with site) "
+             "| peak train RSS (MiB) | peak train extra (MiB) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for kind, r in training.items():
         peak = r.get("train_peak_rss_bytes", r.get("train_peak_bytes"))
         lines.append(f"| {kind} | {r['options']['d_model']} | {r['params']:,} | {r['lr']:g} | {r['val_bpb']:.4f} "
-                     f"| {r['train_loss_smoothed']:.4f} | {r['val_loss']:.4f} "
+                     f"| {r['train_loss_smoothed']:.4f} | {r['train_windows_loss']:.4f} / "
+                     f"{r['validation_windows_loss']:.4f} "
                      f"| {r['train_tokens_per_s']:,.0f} | {r['infer_tokens_per_s']:,.0f} "
                      f"| {r['infer_tokens_per_s_with_site']:,.0f} | {_mib(peak)} "
                      f"| {_mib(r['train_peak_extra_bytes'])} |")
+    lines += ["", "The training objective is what the optimizer minimised: for sheaf, the next-token loss plus "
+              "its auxiliary losses (each block's pool read, the experts' balance), so it is not comparable "
+              "with a validation loss. The loss on train / val windows is one measure for both texts: the "
+              f"trained model's next-token loss on {cfg['eval_batches'] * cfg['batch_size']} windows spread evenly "
+              "over each (the generalisation gap)."]
     if report["lr_sweep"]:
         rates = cfg["lr_sweep"]
         lines += ["", f"## Learning-rate sweep: validation bits/byte after "
