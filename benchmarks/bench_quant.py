@@ -23,7 +23,8 @@ that a 1% target is measured against.
 ``--init RUN_DIR`` starts every variant from a trained model instead of from
 scratch: the run directory of ``sheafgnn train`` (or of one model of
 ``sheafgnn compare``, ``out/train/sheaf``) gives the model, site, context,
-batch and corpus (its ``config.yaml``) and the weights (its latest
+batch and corpus (its ``config.yaml``; the size flags are then ignored, and
+``train_config`` in the JSON says what ran) and the weights (its latest
 checkpoint). Each variant then fine-tunes ``--steps`` steps from those weights
 (QAT for the quantised ones, plain training for fp32, the same steps and data),
 so that the deltas are measured on a model that has learned something; the
@@ -264,7 +265,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     result = {
         "benchmark": "quant", "settings": vars(args), "tokens_per_run": runs[0]["tokens"],
-        "init_bpb": init_bpb,
+        "init_bpb": init_bpb, "train_config": reference.to_dict(),  # what ran (--init overrides the size flags)
         "platform": {"python": platform.python_version(), "torch": torch.__version__,
                      "machine": platform.machine(), "threads": args.threads},
         "wall_s": round(time.perf_counter() - start, 1), "summary": summary, "runs": runs,
