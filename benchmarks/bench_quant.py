@@ -58,6 +58,7 @@ from torch.utils.data import Subset
 from torch_geometric.loader import DataLoader
 
 from sheafgnn import checkpoint as ckpt
+from sheafgnn.data import scored_batches
 from sheafgnn.lm import build_model
 from sheafgnn.nn.quant import apply_quant
 from sheafgnn.quantized import export_quantized, load_quantized, model_bytes
@@ -107,7 +108,7 @@ def validation_batches(config: TrainConfig) -> list:
     val = datasets["validation"]
     n_val = min(len(val), config.eval_batches * config.batch_size)
     loader = DataLoader(Subset(val, list(range(n_val))), batch_size=config.batch_size)
-    return [(b, int(tokenizer.token_bytes(b["token"].y[b["token"].y != -100])[1].sum())) for b in loader]
+    return scored_batches(loader, tokenizer)
 
 
 def timed_bpb(model, batches) -> tuple[float, float]:

@@ -11,6 +11,7 @@ machine with the same Python version.
 
     corpus_documents('mixed', 'train') -> {name: text}
     load_corpus('mixed', 'train') -> list[str] (the texts)
+    scored_batches(batches, tokenizer) -> [(batch, scored target bytes)]  (what evaluation takes)
     train_validation_text(corpus) -> (train text, validation text)
     WindowDataset(text, context, builder)[i] -> HeteroData (a causal site)
     StepSampler(num_windows, batch_size, seed, start_step, rank, world_size)
@@ -21,7 +22,9 @@ from __future__ import annotations
 
 import sysconfig
 import zlib
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -120,6 +123,12 @@ def train_validation_text(corpus: str) -> tuple[str, str]:
     text = Path(corpus).read_text(encoding="utf-8", errors="replace")
     cut = int(len(text) * (1 - HELD_OUT))
     return text[:cut], text[cut:]
+
+
+def scored_batches(batches: Iterable, tokenizer) -> list[tuple[Any, int]]:
+    """(batch, bytes of its scored targets) pairs: what :func:`sheafgnn.train.evaluate` takes to turn nats
+    into bits per byte."""
+    return [(b, int(tokenizer.token_bytes(b["token"].y[b["token"].y != -100])[1].sum())) for b in batches]
 
 
 class WindowDataset(Dataset):

@@ -49,7 +49,7 @@ from tqdm import tqdm
 
 from sheafgnn import checkpoint as ckpt
 from sheafgnn.config import ArgumentParser, ConfigFile
-from sheafgnn.data import KINDS, StepSampler, WindowDataset, train_validation_text
+from sheafgnn.data import KINDS, StepSampler, WindowDataset, scored_batches, train_validation_text
 from sheafgnn.lm import MODEL_KINDS, build_model, config_dict
 from sheafgnn.memory import keep_freed_memory, process_peak_bytes
 from sheafgnn.site import BPETokenizer, ByteTokenizer, SiteBuilder, SiteConfig
@@ -453,9 +453,8 @@ def _train(config: TrainConfig, resume: bool, model: nn.Module | None, rank: int
             row = {"step": step, "tokens": step * tokens_per_step, "loss": result.loss, "lr": lr,
                    "grad_norm": result.grad_norm, "skipped": int(bad > 0)}
             if step % config.eval_every == 0 or last:
-                if val_batches is None:  # (batch, target bytes) pairs
-                    val_batches = [(b, int(tokenizer.token_bytes(b["token"].y[b["token"].y != -100])[1].sum()))
-                                   for b in val_loader]
+                if val_batches is None:
+                    val_batches = scored_batches(val_loader, tokenizer)
                 metrics = evaluate(model, val_batches, device, config.bf16, world)
                 row.update(metrics)
                 if master:

@@ -50,11 +50,13 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils.data import Subset
 from torch_geometric.data import Batch
+from torch_geometric.loader import DataLoader
 from tqdm import tqdm
 
 from sheafgnn.config import ConfigFile
-from sheafgnn.data import WindowDataset, train_validation_text
+from sheafgnn.data import WindowDataset, scored_batches, train_validation_text
 from sheafgnn.experiments.report import config_from_args, pyplot, report_parser, run_report_command, write_report
 from sheafgnn.lm import MODEL_KINDS, build_model, matched_options, print_parameter_counts
 from sheafgnn.memory import PeakMemory, keep_freed_memory
@@ -210,16 +212,14 @@ def _inference(model: nn.Module, dataset, config: CompareConfig, device: torch.d
             **mem.as_dict("infer_")}
 
 
-def _spread_loss(model: nn.Module, windows: WindowDataset, config: CompareConfig, device: torch.device) -> float:
+def _spread_loss(model: nn.Module, windows: WindowDataset, tokenizer, config: CompareConfig,
+                 device: torch.device) -> float:
     """Next-token loss (nats/token; the forward's logits only, no auxiliary loss) on ``eval_batches x
     batch_size`` windows spread evenly over ``windows``: one measure for training and validation text."""
     n = min(len(windows), config.eval_batches * config.batch_size)
     picks = torch.linspace(0, len(windows) - 1, n).round().long().tolist()
-    batches = []
-    for start in range(0, n, config.batch_size):
-        batch = Batch.from_data_list([windows[i] for i in picks[start : start + config.batch_size]])
-        batches.append((batch.to(device), int((batch["token"].y != -100).sum())))  # byte tokenizer: a byte each
-    return evaluate(model, batches, device, False, 1)["val_loss"]
+    loader = DataLoader(Subset(windows, picks), batch_size=config.batch_size)
+    return evaluate(model, scored_batches(loader, tokenizer), device, False, 1)["val_loss"]
 
 
 def _fit(config: CompareConfig, kind: str, options: dict, lr: float, tokens: int, run: str
@@ -245,13 +245,14 @@ def train_one(config: CompareConfig, kind: str, options: dict, lr: float | None 
     device = resolve_device(config.device)
     with PeakMemory(device) as mem:
         model, result, train_config = _fit(config, kind, options, lr, config.tokens, kind)
-    out, windows = Path(train_config.out_dir), build_datasets(train_config)[1]  # train and validation windows
+    out, (tokenizer, windows) = Path(train_config.out_dir), build_datasets(train_config)  # train and validation
     return {"model": kind, "lr": lr, "params": result["params"], "steps": result["step"], "tokens": result["tokens"],
             "train_loss": result["train_loss"], "train_loss_smoothed": result["train_loss_smoothed"],
             "val_loss": result["val_loss"], "val_bpb": result["val_bpb"],
             "train_tokens_per_s": _median_train_tokens_per_s(out / "metrics.csv", result["tokens_per_s"]),
             "train_tokens_per_s_overall": result["tokens_per_s"], "train_elapsed_s": result["elapsed_s"],
-            **{f"{split}_windows_loss": _spread_loss(model, windows[split], config, device) for split in windows},
+            **{f"{split}_windows_loss": _spread_loss(model, windows[split], tokenizer, config, device)
+               for split in windows},
             **mem.as_dict("train_"), **_inference(model, windows["validation"], config, device),
             "memory_method": mem.method, "options": options, "curve": _validation_curve(out / "metrics.csv")}
 
