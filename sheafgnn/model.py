@@ -174,10 +174,8 @@ class SheafBlock(nn.Module):
         """:meth:`forward` for the new nodes of a stream batch only, from the cached states of old
         ones (see :mod:`sheafgnn.stream`); returns the new nodes' states (N_new, D)."""
         tok = slice(0, delta.token_ids.numel())
-        y, states = continue_chains(self.phi_token, self.norm_token(h[tok]), delta.token_reset,
-                                    [cache.token_ssm[b] for b in delta.token_streams])
-        for b, state in zip(delta.token_streams, states):
-            cache.token_ssm[b] = state
+        y, cache.token_ssm = continue_chains(self.phi_token, self.norm_token(h[tok]), delta.token_reset,
+                                             cache.token_ssm, delta.token_streams)
         h_tok = h[tok] + y  # (T, D)
         if not self.gluing:
             update, _ = self.experts(self.norm_expert(h_tok), [0, h_tok.size(0)])
@@ -189,10 +187,8 @@ class SheafBlock(nn.Module):
         if patches.stop > patches.start:  # most generated tokens close no patch
             h_patch = h_patch + self.pool(segment_mean(cache.state.data[delta.cover_src], delta.cover_ptr))
             num_chained = delta.chain_reset.numel()
-            y, states = continue_chains(self.phi_patch, self.norm_patch(h_patch[:num_chained]), delta.chain_reset,
-                                        [cache.chain_ssm[b].get(t) for b, t in delta.chains])
-            for (b, t), state in zip(delta.chains, states):
-                cache.chain_ssm[b][t] = state
+            y, cache.chain_ssm = continue_chains(self.phi_patch, self.norm_patch(h_patch[:num_chained]),
+                                                 delta.chain_reset, cache.chain_ssm, delta.chain_rows)
             h_patch = torch.cat([h_patch[:num_chained] + y, h_patch[num_chained:]])
             cache.state.write(delta.rows[patches], h_patch)
         h = torch.cat([h_tok, h_patch, h[out] + h_tok])  # (N, D)

@@ -103,8 +103,8 @@ class LayerCache:
     state: RowBuffer  # (rows, D) pre-gluing state of every non-output node of every stream
     key: RowBuffer  # (rows, r) its topology key
     block_key: RowBuffer  # (blocks, B, r) content-block summary of each stream's complete blocks
-    token_ssm: list[SSMState | None]  # per stream: the token chain's SSM state
-    chain_ssm: list[dict[str, SSMState]]  # per stream: the SSM state of each chained type
+    token_ssm: SSMState  # (B, ...) the token chain's SSM state of every stream (zero: not started)
+    chain_ssm: SSMState | None  # (len(CHAINED_TYPES) * B, ...) per chained type and stream: row type * B + stream
 
 
 @dataclass
@@ -129,7 +129,7 @@ class StreamDelta(FlatBlocks):
     previous_row: Tensor  # (T,) cache row of the token before each new token, -1 at position 0
     cover_src: Tensor  # (C,) cache row of the token of each cover edge into a new patch
     cover_ptr: Tensor  # (num_new_patches + 1,)
-    chains: list[tuple[int, str]]  # (stream, chained type) of every new patch chain, in order
+    chain_rows: list[int]  # row in LayerCache.chain_ssm of every new patch chain, in order
     chain_reset: Tensor  # (num_new_chained,)
     rule_src: Tensor  # (E,) cache row of the source of each rule candidate into a new node
     rule_dst: Tensor  # (E,) new node (delta index) of its destination, sorted
@@ -161,19 +161,20 @@ class SheafStream(TokenStream):
         device = model.token_embedding.weight.device
         self.device = device
         self.sites = [SiteStream(model.config.site_config, tokenizer=tokenizer) for _ in range(batch_size)]
-        # Per stream and patch type: the cache row of every node so far, by its id in the full site;
-        # tokens in one (positions, B) table, which a batch of proposals reads with one gather.
-        self.node_rows = [{t: RowBuffer((), torch.long, device) for t in FLAT_TYPES[1:-1]}
-                          for _ in range(batch_size)]
-        self.token_rows = RowBuffer((batch_size,), torch.long, device)
+        # Per node type but the outputs (never sources): a (nodes so far, B) table of the cache row of
+        # each stream's node by its id in the full site, so that the edges of all streams read their
+        # sources with one gather per edge type, and a batch of proposals its tokens with one.
+        self.node_rows = {t: RowBuffer((batch_size,), torch.long, device) for t in FLAT_TYPES[:-1]}
         self.num_blocks = [0] * batch_size  # complete content blocks per stream (the same in every cache)
         self.num_rows = 0
         D, dtype = model.config.d_model, model.token_embedding.weight.dtype
         rank = model.config.topology_rank
         self.caches = [LayerCache(RowBuffer((D,), dtype, device), RowBuffer((rank,), dtype, device),
                                   RowBuffer((batch_size, rank), dtype, device),
-                                  [None] * batch_size, [{} for _ in range(batch_size)])
-                       for _ in model.blocks]
+                                  block.phi_token.init_state(batch_size, device, dtype),
+                                  block.phi_patch.init_state(len(CHAINED_TYPES) * batch_size, device, dtype)
+                                  if block.gluing else None)
+                       for block in model.blocks]
 
     def _feed(self, ids: list[Tensor]) -> list[Tensor]:
         if not any(x.numel() for x in ids):
@@ -216,68 +217,79 @@ class SheafStream(TokenStream):
         first = {t: [type_ptr[i] + sum(counts[i][:b]) for b in range(B)] for i, t in enumerate(FLAT_TYPES)}
         num_rows = type_ptr[_OUTPUT]  # outputs are never sources: no rows
         rows = torch.arange(self.num_rows, self.num_rows + num_rows, device=device)
-        for i, t in enumerate(FLAT_TYPES[1:-1], 1):
-            for b in range(B):
-                if counts[i][b]:
-                    self.node_rows[b][t].append(rows[first[t][b] : first[t][b] + counts[i][b]])
         self.num_rows += num_rows
+        token_pos, token_stream = self._write_rows(deltas, counts, first, type_ptr, rows)
 
         def concat(parts: list[Tensor]) -> Tensor:
             return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
         present = [d for d in deltas if d is not None]
-        positions = [d.first + torch.arange(d.ids.numel()) for d in present]
-
         sizes = torch.tensor([type_ptr[i + 1] - type_ptr[i] for i in range(len(FLAT_TYPES))], device=device)
         node_type = torch.repeat_interleave(torch.arange(len(FLAT_TYPES), device=device), sizes)
-        token_pos = concat(positions).to(device)
-        token_stream = torch.repeat_interleave(torch.arange(B, device=device), torch.tensor(counts[0], device=device))
-        self.token_rows.grow_to(max(site.num_tokens for site in self.sites))
-        self.token_rows.data[token_pos, token_stream] = rows[: token_pos.numel()]  # tokens lead the delta
         token_streams = [b for b in range(B) if counts[0][b]]
         token_reset = torch.zeros(token_pos.numel(), dtype=torch.bool, device=device)
         token_reset[[first["token"][b] for b in token_streams]] = True
-        previous = [self._rows(b, "token", (d.first + torch.arange(-1, d.ids.numel() - 1, device=device)).clamp(min=0))
-                    for b, d in enumerate(deltas) if d is not None]
-        previous_row = torch.where(token_pos > 0, torch.cat(previous), -1) if previous else token_pos
+        token_rows = self.node_rows["token"].data
+        previous_row = torch.where(token_pos > 0, token_rows[(token_pos - 1).clamp(min=0), token_stream], -1)
         cover_src, _, _, cover_ptr = self._edges(deltas, first, COVER_EDGES, type_ptr)
         cover_ptr = cover_ptr[type_ptr[1] : type_ptr[_OUTPUT] + 1]  # over the new patches
         rule_src, rule_dst, rule_type, _ = self._edges(deltas, first, CANDIDATE_EDGES, type_ptr)
-        chains = [(b, t) for t in CHAINED_TYPES for b in range(B) if counts[FLAT_TYPES.index(t)][b]]
-        chain_sizes = [counts[FLAT_TYPES.index(t)][b] for b, t in chains]
+        chains = [(i * B + b, counts[FLAT_TYPES.index(t)][b]) for i, t in enumerate(CHAINED_TYPES) for b in range(B)
+                  if counts[FLAT_TYPES.index(t)][b]]  # (pool row, new patches) of every continued chain
+        chain_sizes = [size for _, size in chains]
         chain_reset = torch.zeros(sum(chain_sizes), dtype=torch.bool, device=device)
         chain_reset[torch.tensor([0] + chain_sizes[:-1], device=device).cumsum(0)[: len(chains)]] = True
         new_blocks = self._new_blocks(deltas)
         return StreamDelta(type_ptr, node_type, concat([d.ids for d in present]),
                            concat([d.attrs["topic"] for d in present]), concat([d.attrs["workspace"] for d in present]),
                            rows, token_streams, token_stream, token_reset, token_pos, previous_row, cover_src,
-                           cover_ptr, chains, chain_reset, rule_src, rule_dst, rule_type, new_blocks,
-                           self.token_rows.data)
+                           cover_ptr, [row for row, _ in chains], chain_reset, rule_src, rule_dst, rule_type,
+                           new_blocks, token_rows)
 
-    def _rows(self, b: int, node_type: str, ids: Tensor) -> Tensor:
-        """Cache rows of stream ``b``'s nodes of a type, by their ids in the full site."""
-        if node_type == "token":
-            return self.token_rows.data[ids, b]
-        return self.node_rows[b][node_type].data[ids]
+    def _write_rows(self, deltas, counts, first, type_ptr, rows) -> tuple[Tensor, Tensor]:
+        """Record the cache rows of the new non-output nodes in the per-type tables (each new node by
+        its stream and its id in the full site); returns the new tokens' positions and streams."""
+        device, streams = self.device, torch.arange(self.batch_size, device=self.device)
+        for i, t in enumerate(FLAT_TYPES[:_OUTPUT]):
+            if type_ptr[i + 1] == type_ptr[i]:
+                continue
+            stream = torch.repeat_interleave(streams, torch.tensor(counts[i], device=device))  # (n_t,)
+            # Node j of the type's block is stream b's node node_offset + j - (first[t][b] - type_ptr[i]).
+            shift = torch.tensor([d.node_offset[t] - first[t][b] + type_ptr[i] if d is not None else 0
+                                  for b, d in enumerate(deltas)], device=device)
+            ids = torch.arange(stream.numel(), device=device) + shift[stream]
+            table = self.node_rows[t]
+            table.grow_to(max(site.num_nodes[t] for site in self.sites))
+            table.data[ids, stream] = rows[type_ptr[i] : type_ptr[i + 1]]
+            if t == "token":
+                token_pos, token_stream = ids, stream
+        return token_pos, token_stream
 
     def _edges(self, deltas, first, edge_types, type_ptr) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Source rows, destination delta indices and type ids of the deltas' edges of the given types
         (``deltas``: per stream, its :class:`~sheafgnn.site.stream.SiteDelta` or None), sorted by
         destination (stably: per destination in ``edge_types`` order, like ``flatten_site``), and the
         destination CSR pointer over the new nodes."""
-        src, dst, types = [], [], []
-        for i, edge_type in enumerate(edge_types):
-            src_type, _, dst_type = edge_type
-            for b, d in enumerate(deltas):
-                if d is None or edge_type not in d.edges:
-                    continue
-                s, t = d.edges[edge_type].to(self.device)
-                src.append(self._rows(b, src_type, s))
-                dst.append(first[dst_type][b] + t - d.node_offset[dst_type])
-                types.append(torch.full_like(s, i))
-        empty = torch.zeros(0, dtype=torch.long, device=self.device)
-        src, dst, types = (torch.cat(x) if x else empty for x in (src, dst, types))
-        edge_index, types, ptr = sort_by_destination(torch.stack([src, dst]), types, num_nodes=type_ptr[-1])
+        device = self.device
+        chunks = [(i, b, d) for i, edge_type in enumerate(edge_types) for b, d in enumerate(deltas)
+                  if d is not None and edge_type in d.edges]  # edge-type major, like flatten_site
+        index = torch.cat([d.edges[edge_types[i]] for i, _, d in chunks], 1).to(device) if chunks \
+            else torch.zeros(2, 0, dtype=torch.long, device=device)  # (2, E) ids in each stream's site
+        sizes = [d.edges[edge_types[i]].size(1) for i, _, d in chunks]
+        meta = torch.tensor([[i, b, first[edge_types[i][2]][b] - d.node_offset[edge_types[i][2]]]
+                             for i, b, d in chunks], dtype=torch.long, device=device).view(-1, 3)
+        types, stream, shift = meta.repeat_interleave(torch.tensor(sizes, dtype=torch.long, device=device), 0).unbind(1)
+        runs: dict[int, int] = {}  # edges per edge type: contiguous runs, one source table each
+        for (i, _, _), size in zip(chunks, sizes):
+            runs[i] = runs.get(i, 0) + size
+        src, start = [], 0
+        for i, size in runs.items():
+            table = self.node_rows[edge_types[i][0]].data
+            src.append(table[index[0, start : start + size], stream[start : start + size]])
+            start += size
+        src = torch.cat(src) if src else index[0]
+        edge_index, types, ptr = sort_by_destination(torch.stack([src, index[1] + shift]), types,
+                                                     num_nodes=type_ptr[-1])
         return edge_index[0], edge_index[1], types, ptr
 
     def _new_blocks(self, deltas) -> list[tuple[int, int, Tensor]]:
@@ -291,7 +303,7 @@ class SheafStream(TokenStream):
             start, done = self.num_blocks[b], self.sites[b].num_tokens // B  # complete blocks before / after
             if done > start:
                 positions = torch.arange(start * B, done * B, device=self.device)
-                out.append((b, start, self._rows(b, "token", positions).view(done - start, B)))
+                out.append((b, start, self.node_rows["token"].data[positions, b].view(done - start, B)))
                 self.num_blocks[b] = done
         return out
 
@@ -305,19 +317,23 @@ class _TokensOnly:
     token_streams: list[int]
 
 
-def continue_chains(ssm, x: Tensor, reset: Tensor, states: list[SSMState | None]) -> tuple[Tensor, list[SSMState]]:
-    """Run the SSM ``ssm`` over chains that continue from ``states`` (None: a fresh chain);
-    returns the outputs and every chain's new state (batch 1 each)."""
-    if not states:  # no chain has new elements
-        return x, []
-    fresh = ssm.init_state(1, x.device, x.dtype)
-    states = [fresh if s is None else s for s in states]
-    state = SSMState(torch.cat([s.conv for s in states]), torch.cat([s.ssm for s in states]))
-    if x.size(0) == len(states):  # one new element per chain (generation): the recurrent step
+def continue_chains(ssm, x: Tensor, reset: Tensor, pool: SSMState, rows: list[int]) -> tuple[Tensor, SSMState]:
+    """Run the SSM ``ssm`` over chains that continue from rows ``rows`` of the state batch ``pool``
+    (a chain not started yet has a zero state, as :meth:`SelectiveSSM.init_state` gives); returns the
+    outputs and the pool with those rows advanced."""
+    if not rows:  # no chain has new elements
+        return x, pool
+    every = rows == list(range(pool.conv.size(0)))  # generation with every stream: no gather, no scatter
+    index = None if every else torch.tensor(rows, device=x.device)
+    state = pool if every else SSMState(pool.conv[index], pool.ssm[index])
+    if x.size(0) == len(rows):  # one new element per chain (generation): the recurrent step
         y, new = ssm.step(x, state)
     else:
         y, new = ssm(x, reset, state=state, return_state=True)
-    return y, [SSMState(new.conv[i : i + 1], new.ssm[i : i + 1]) for i in range(len(states))]
+    if every:
+        return y, new
+    pool.conv[index], pool.ssm[index] = new.conv, new.ssm
+    return y, pool
 
 
 def select_streamed(topology: LearnedTopology, h: Tensor, delta: StreamDelta,

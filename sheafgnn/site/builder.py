@@ -308,6 +308,8 @@ def _chain_edges(spans: dict[str, Spans], registers: int,
     first_node = first_node or {}
     edges = {}
     for p in CHAINED_TYPES:
+        if not spans[p][0].numel():  # most pushes of a stream close no patch
+            continue
         lag = registers if p == "workspace" else 1
         node = _arange(spans[p][0].numel()) + first_node.get(p, 0)
         node = node[node >= lag]
@@ -330,37 +332,38 @@ def _anchor_edges(spans: dict[str, Spans], anchor_scope: int) -> dict[EdgeType, 
     return edges
 
 
-def _read_edges(spans: dict[str, Spans], n: int, config: SiteConfig, first: int = 0,
-                first_node: dict[str, int] | None = None) -> dict[EdgeType, Tensor]:
-    """Output t reads token t and the latest ``readout_last`` patches of each type with time <= t.
-
-    For the outputs t in [first, n) only, when ``spans[p]`` holds the patches with
-    time in [first, n), nodes ``first_node[p]`` (default 0) onwards.
-    """
-    first_node = first_node or {}
-    positions = _arange(n - first) + first
+def _read_edges(spans: dict[str, Spans], n: int, config: SiteConfig) -> dict[EdgeType, Tensor]:
+    """Output t reads token t and the latest ``readout_last`` patches of each type with time <= t
+    (the workspace: ``readout_last`` per register). Edges of each type are k-major: the latest
+    patch of every output, then the second latest, ...; :class:`~sheafgnn.site.stream.SiteStream`
+    emits the same order."""
+    positions = _arange(n)
     edges = {("token", "reads", "output"): torch.stack([positions, positions])}
-    types = [p for p in READ_TYPES[1:] if spans[p][0].numel() or first_node.get(p, 0)]
+    types = [p for p in READ_TYPES[1:] if spans[p][0].numel()]
     if not types:
         return edges
-    # All types at once, as rows of (P, n - first): one pass of a few ops, whatever the number of types.
-    P, L = len(types), n - first
-    count = torch.tensor([spans[p][0].numel() for p in types])  # (P,) new nodes of each type
-    row = torch.repeat_interleave(_arange(P), count)  # type row of every new node
+    # All types at once, as rows of (P, n): one pass of a few ops, whatever the number of types.
+    P = len(types)
+    count = torch.tensor([spans[p][0].numel() for p in types])  # (P,) nodes of each type
+    row = torch.repeat_interleave(_arange(P), count)  # type row of every node
     node = _arange(row.numel()) - torch.repeat_interleave(count.cumsum(0) - count, count)  # its index in the type
-    time = torch.cat([spans[p][1] for p in types]) - 1 - first
+    time = torch.cat([spans[p][1] for p in types]) - 1
     # Latest node of each type with time <= t: the node ending at t (if any), carried forward.
-    latest = torch.full((P * L,), -1, dtype=torch.long).scatter_reduce_(0, row * L + time, node, "amax")
-    latest = latest.view(P, L).cummax(1).values + torch.tensor([first_node.get(p, 0) for p in types]).unsqueeze(1)
-    last = torch.tensor([config.readout_last * (config.workspace_registers if p == "workspace" else 1)
-                         for p in types])  # (P,) patches read per type
+    latest = torch.full((P * n,), -1, dtype=torch.long).scatter_reduce_(0, row * n + time, node, "amax")
+    latest = latest.view(P, n).cummax(1).values
+    last = torch.tensor([_read_count(config, p) for p in types])  # (P,) patches read per type
     k = _arange(int(last.max())).view(1, -1, 1)
-    src = latest.unsqueeze(1) - k  # (P, K, L): the k-th latest, k-major per type
+    src = latest.unsqueeze(1) - k  # (P, K, n): the k-th latest, k-major per type
     ok = (src >= 0) & (k < last.view(-1, 1, 1))
     split = ok.flatten(1).sum(1).tolist()
     for p, s, d in zip(types, src[ok].split(split), positions.expand_as(src)[ok].split(split)):
         edges[(p, "reads", "output")] = torch.stack([s, d])
     return edges
+
+
+def _read_count(config: SiteConfig, patch_type: str) -> int:
+    """How many of the latest patches of a type each output reads."""
+    return config.readout_last * (config.workspace_registers if patch_type == "workspace" else 1)
 
 
 def _hetero_data(ids: Tensor, spans: dict[str, Spans], attrs: dict[str, Tensor],

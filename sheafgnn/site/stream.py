@@ -68,10 +68,18 @@ from sheafgnn.site.builder import (
     _empty_edges,
     _hetero_data,
     _load_topic_model,
-    _read_edges,
+    _read_count,
     _workspace_patches,
 )
-from sheafgnn.site.schema import ANCHORED_TYPES, EDGE_TYPES, NODE_TYPES, PATCH_TYPES, EdgeType, SiteConfig
+from sheafgnn.site.schema import (
+    ANCHORED_TYPES,
+    EDGE_TYPES,
+    NODE_TYPES,
+    PATCH_TYPES,
+    READ_TYPES,
+    EdgeType,
+    SiteConfig,
+)
 from sheafgnn.site.tokenizer import ByteTokenizer
 from sheafgnn.site.topic import TopicModel
 
@@ -388,7 +396,7 @@ class SiteStream:
         edges.update(_cover_edges(spans, offsets))
         edges.update(_chain_edges(spans, self.config.workspace_registers, offsets))
         edges.update(self._anchor_edges(spans, offsets))
-        edges.update(_read_edges(spans, n, self.config, first, offsets))
+        edges.update(self._read_edges(spans, first, n, offsets))
         delta = SiteDelta(ids, first, spans, attrs, {e: v for e, v in edges.items() if v.size(1)}, offsets)
         for t in NODE_TYPES:
             self.num_nodes[t] += delta.num_nodes(t)
@@ -467,6 +475,37 @@ class SiteStream:
                 positions.append(t)
         end = torch.tensor(positions, dtype=torch.long) + 1
         return (end - m, end), _edges(src, dst)
+
+    def _read_edges(self, spans: dict[str, Spans], first: int, n: int, offsets: dict[str, int]
+                    ) -> dict[EdgeType, Tensor]:
+        """Output t (t in [first, n)) reads token t and the latest patches of each type with time <= t,
+        in :func:`~sheafgnn.site.builder._read_edges`' order (k-major). The patches before this push
+        all have time < first, so the latest with time <= t is the last of the ``offsets[p]`` old ones
+        and the new ones ending at or before t: O(new nodes + edges) per push, in plain Python (a push
+        of one token reads ~10 patches; tensor ops would cost more than the edges)."""
+        positions = _arange(n - first) + first
+        edges = {("token", "reads", "output"): torch.stack([positions, positions])}
+        types, src, dst, sizes = [], [], [], []
+        for p in READ_TYPES[1:]:
+            ends = spans[p][1].tolist() if spans[p][1].numel() else []  # new nodes, in time order
+            if not ends and not offsets[p]:
+                continue
+            latest, j = [], 0
+            for t in range(first, n):
+                while j < len(ends) and ends[j] <= t + 1:
+                    j += 1
+                latest.append(offsets[p] + j - 1)
+            size = len(src)
+            for k in range(_read_count(self.config, p)):
+                for t, node in enumerate(latest, first):
+                    if node >= k:
+                        src.append(node - k)
+                        dst.append(t)
+            types.append(p)
+            sizes.append(len(src) - size)
+        for p, index in zip(types, _edges(src, dst).split(sizes, 1)):  # one tensor for all types
+            edges[(p, "reads", "output")] = index
+        return edges
 
     def _anchor_edges(self, spans: dict[str, Spans], offsets: dict[str, int]) -> dict[EdgeType, Tensor]:
         """The latest instruction ending at or before each new anchored patch's start, within ``anchor_scope``."""
