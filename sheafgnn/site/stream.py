@@ -97,6 +97,7 @@ _NEWLINE = rules._NEWLINE
 _WORD_HASH = rules._WORD_HASH.tolist()
 
 Closed = list[tuple]  # closed spans (start token, end token exclusive, extra...)
+_NONE = torch.zeros(0, dtype=torch.long)  # no new nodes: shared, never written (a push of one token mostly has none)
 
 
 class _Sentences:
@@ -279,7 +280,7 @@ class _Recent:
 
 def _spans(closed: Closed) -> Spans:
     if not closed:
-        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+        return _NONE, _NONE
     return torch.tensor([c[0] for c in closed]), torch.tensor([c[1] for c in closed])
 
 
@@ -407,12 +408,12 @@ class SiteStream:
                  ) -> tuple[dict[str, Spans], dict[str, Tensor], dict[EdgeType, Tensor]]:
         """The new spans of every patch type (time order), their extra attributes, and link edges."""
         config, first, n = self.config, self.num_tokens, self.num_tokens + ids.numel()
-        empty: Spans = (torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+        empty: Spans = (_NONE, _NONE)
         spans: dict[str, Spans] = {p: empty for p in PATCH_TYPES}
-        attrs: dict[str, Tensor] = {p: torch.zeros(0, dtype=torch.long) for p in _EXTRA_ATTRS}
+        attrs: dict[str, Tensor] = {p: _NONE for p in _EXTRA_ATTRS}
         links: dict[EdgeType, Tensor] = {}
         sentences = self._sentences.scan(data, toks) if self._sentences is not None else []
-        windows = _arange(n // config.local_window - first // config.local_window) + first // config.local_window
+        windows = torch.arange(first // config.local_window, n // config.local_window)
         if config.enabled("local"):
             spans["local"] = (windows * config.local_window, (windows + 1) * config.local_window)
         if config.enabled("sentence"):
@@ -437,7 +438,7 @@ class SiteStream:
             spans["workspace"], attrs["workspace"], writes = _workspace_patches(windows, config)
             if config.enabled("local"):
                 links[("local", "writes", "workspace")] = writes
-        spans["output"] = (_arange(n - first) + first, _arange(n - first) + first + 1)
+        spans["output"] = (torch.arange(first, n), torch.arange(first + 1, n + 1))
         return spans, attrs, links
 
     def _syntax_spans(self, data: bytes, toks: list[int]) -> Spans:
@@ -483,7 +484,7 @@ class SiteStream:
         all have time < first, so the latest with time <= t is the last of the ``offsets[p]`` old ones
         and the new ones ending at or before t: O(new nodes + edges) per push, in plain Python (a push
         of one token reads ~10 patches; tensor ops would cost more than the edges)."""
-        positions = _arange(n - first) + first
+        positions = torch.arange(first, n)
         edges = {("token", "reads", "output"): torch.stack([positions, positions])}
         types, src, dst, sizes = [], [], [], []
         for p in READ_TYPES[1:]:
