@@ -170,6 +170,28 @@ def test_topology_input_and_repr(full_config):
         LearnedTopology(32, 3, 2, k=0)
 
 
+def test_pool_read_equals_the_plain_weighted_sum():
+    """The fused pool read (transport_sum with identity maps, candidate states gathered again in backward)
+    equals the plain softmax-weighted gather-sum in value and in the scores' and sink's gradients."""
+    torch.manual_seed(0)
+    topo = LearnedTopology(8, 3, 2, k=2).double()
+    x = torch.randn(20, 8, dtype=torch.float64, requires_grad=True)
+    sources = torch.randint(0, 20, (6, 5))
+    sources[1, 3:] = -1  # padding
+    score = torch.randn(6, 5, dtype=torch.float64).masked_fill(sources < 0, float("-inf")).requires_grad_()
+    sink = torch.randn(6, 1, dtype=torch.float64, requires_grad=True)
+    fused = topo._pool_read(x, score, sink, sources)
+    weight = torch.cat([score, sink], 1).softmax(1)[:, :-1]
+    plain = (weight.unsqueeze(-1) * x.detach()[sources.clamp(min=0)]).sum(1)
+    torch.testing.assert_close(fused, plain)
+    grad = torch.randn_like(plain)
+    fused_grads = torch.autograd.grad(fused, (score, sink), grad)
+    plain_grads = torch.autograd.grad(plain, (score, sink), grad)
+    for a, b in zip(fused_grads, plain_grads):
+        torch.testing.assert_close(a, b)
+    assert torch.autograd.grad(fused.sum(), x, allow_unused=True) == (None,)  # the states are read, not trained
+
+
 def test_pool_read_trains_the_choice_in_training_only(full_config):
     """The pool read (an auxiliary loss over every candidate) reaches the scores of candidates the
     top-k did not keep; it exists in training mode only and never changes the logits."""

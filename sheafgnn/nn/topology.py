@@ -47,6 +47,7 @@ import torch
 from torch import Tensor, nn
 from torch_geometric.utils import softmax as segment_softmax
 
+from sheafgnn.nn.gluing import transport_sum
 from sheafgnn.nn.segment import ptr_from_index
 
 # Multipliers of the position hash (odd 31-bit constants; int64 products wrap).
@@ -446,10 +447,18 @@ class LearnedTopology(nn.Module):
         (a hard top-k passes none to the rest), so the choice learns which candidates carry what the
         prediction needs (the role of NSA's compressed branch). The states are read as they are
         (stop-gradient, no projection): a candidate whose state holds the next token is rewarded from
-        the first step. O(n P D) in training, nothing at evaluation.
+        the first step. O(n P D) time in training, nothing at evaluation; memory O(n P) besides
+        the states: the fused :func:`~sheafgnn.nn.gluing.transport_sum` (identity transport) gathers
+        the (num_out, P, D) candidate states a block at a time and again in backward, instead of
+        keeping them for backward (at 32k tokens and ~57 candidates, ~1 GB per layer).
         """
         weight = torch.cat([score, sink], 1).softmax(1)[:, :-1]  # (num_out, P): -inf (padding) -> 0
-        return (weight.unsqueeze(-1) * x.detach()[sources.clamp(min=0)]).sum(1)  # (num_out, D)
+        M, P = sources.shape
+        ptr = torch.arange(0, M * P + 1, P, device=x.device)  # every output reads its P pool slots
+        identity = x.new_ones(1, 1).expand(M * P, 1)  # (E, 1): no transport, one stalk of D channels
+        read = transport_sum(x.detach().unsqueeze(1), sources.clamp(min=0).flatten(), ptr, identity,
+                             weight.flatten())  # (num_out, 1, D); padding has weight 0
+        return read.squeeze(1)
 
     def _keys(self, x: Tensor, inp: TopologyInput) -> Tensor:
         """(N, r) keys; a token's key adds the projection of the token before it (zero at a graph's start),
