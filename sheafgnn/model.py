@@ -146,7 +146,8 @@ class SheafBlock(nn.Module):
                               normalize="none")
         self.broadcast = nn.Linear(D, D, bias=False)
 
-    def forward(self, h: Tensor, site: FlatSite, return_candidates: bool = False) -> tuple[Tensor, dict]:
+    def forward(self, h: Tensor, site: FlatSite, return_candidates: bool = False,
+                return_energy: bool = False) -> tuple[Tensor, dict]:
         tok, patches, chained, out = site.tokens, site.patches, site.chained, site.outputs
         h_tok = h[tok] + self.phi_token(self.norm_token(h[tok]), site.token_reset)  # (num_tokens, D)
         if not self.gluing:
@@ -162,8 +163,10 @@ class SheafBlock(nn.Module):
         h = torch.cat([h_tok, h_chain, h_patch[num_chained:], h[out] + h_tok])  # (N, D)
 
         chosen = self.topology(h, topology_input(site), return_candidates)  # kept edges, sorted by destination
-        h, energy = self.glue(h, chosen.edge_index, chosen.edge_type, chosen.weight, return_energy=True,
-                              ptr=chosen.ptr)
+        # The per-edge energy is for inspection: in training it would keep two (E, d, f) tensors for backward.
+        glued = self.glue(h, chosen.edge_index, chosen.edge_type, chosen.weight, return_energy=return_energy,
+                          ptr=chosen.ptr)
+        h, energy = glued if return_energy else (glued, None)
 
         update, balance = self.experts(self.norm_expert(h), site.type_ptr)
         h = h + update
@@ -272,8 +275,11 @@ class SheafStateLM(nn.Module):
         blocks = [blocks[i] + extra[t] if t in extra else blocks[i] for i, t in enumerate(FLAT_TYPES)]
         return torch.cat([tokens, *blocks[1:]])  # (N, D)
 
-    def _forward(self, data: HeteroData, return_candidates: bool = False) -> tuple[Tensor, list[dict], FlatSite]:
-        """(output states (num_tokens, D), per-block infos, the flat site); R (:meth:`readout`) is left out."""
+    def _forward(self, data: HeteroData, return_candidates: bool = False,
+                 return_energy: bool = False) -> tuple[Tensor, list[dict], FlatSite]:
+        """(output states (num_tokens, D), per-block infos, the flat site); R (:meth:`readout`) is left out.
+        The infos hold each block's pools with ``return_candidates`` and its edge energies with
+        ``return_energy`` (None without)."""
         self._check(data)
         x = data["token"].x
         if x.numel() and int(x.max()) >= self.config.vocab_size:
@@ -285,9 +291,9 @@ class SheafStateLM(nn.Module):
         recompute = self.config.checkpoint_blocks and self.training and torch.is_grad_enabled()
         for block in self.blocks:
             if recompute:  # keep only the block's input for backward; rerun the block there
-                h, info = checkpoint(block, h, site, return_candidates, use_reentrant=False)
+                h, info = checkpoint(block, h, site, return_candidates, return_energy, use_reentrant=False)
             else:
-                h, info = block(h, site, return_candidates)
+                h, info = block(h, site, return_candidates, return_energy)
             infos.append(info)
         h_out = h[site.block("output")] if self.config.gluing else h  # (num_tokens, D)
         return h_out, infos, site
@@ -345,7 +351,7 @@ class SheafStateLM(nn.Module):
             raise ValueError("SheafStateLM.topology: this model has gluing switched off (the ssm ablation)")
         was_training = self.training
         self.eval()
-        _, infos, site = self._forward(data, return_candidates=candidates)
+        _, infos, site = self._forward(data, return_candidates=candidates, return_energy=True)
         self.train(was_training)
         chosen: Selection = infos[block]["selection"]
         out = {}
