@@ -5,7 +5,7 @@ import torch
 
 import sheafgnn.nn.topology as topology_module
 from sheafgnn.model import SheafStateLM, topology_input
-from sheafgnn.nn.topology import LearnedTopology, content_blocks, random_proposals
+from sheafgnn.nn.topology import LearnedTopology, content_blocks, pool_read, random_proposals
 from sheafgnn.site import build_site
 from sheafgnn.site.flat import FLAT_TYPES, flatten_site
 from sheafgnn.site.schema import CONTENT_EDGE, GLUE_EDGES, RANDOM_EDGE
@@ -170,26 +170,35 @@ def test_topology_input_and_repr(full_config):
         LearnedTopology(32, 3, 2, k=0)
 
 
-def test_pool_read_equals_the_plain_weighted_sum():
-    """The fused pool read (transport_sum with identity maps, candidate states gathered again in backward)
-    equals the plain softmax-weighted gather-sum in value and in the scores' and sink's gradients."""
+@pytest.mark.parametrize("chunk", [1 << 20, 40])  # one chunk; chunks of one row (P * D = 40)
+def test_pool_read_equals_the_plain_weighted_sum(monkeypatch, chunk):
+    """pool_read (candidate states gathered in chunks, again in backward) equals the plain weighted
+    gather-sum in value and in the weights' gradient, and gives the states none; LearnedTopology's pool
+    read through it matches the softmax-weighted sum in the scores' and the sink's gradients."""
+    monkeypatch.setattr(topology_module, "POOL_CHUNK_ELEMENTS", chunk)
     torch.manual_seed(0)
-    topo = LearnedTopology(8, 3, 2, k=2).double()
     x = torch.randn(20, 8, dtype=torch.float64, requires_grad=True)
     sources = torch.randint(0, 20, (6, 5))
+    weight = torch.rand(6, 5, dtype=torch.float64, requires_grad=True)
+    fused = pool_read(weight, x.detach(), sources)
+    plain = (weight.unsqueeze(-1) * x.detach()[sources]).sum(1)
+    torch.testing.assert_close(fused, plain)
+    grad = torch.randn_like(plain)
+    torch.testing.assert_close(torch.autograd.grad(fused, weight, grad)[0], torch.autograd.grad(plain, weight, grad)[0])
+    assert torch.autograd.grad(pool_read(weight, x, sources).sum(), x, allow_unused=True) == (None,)
+    with pytest.raises(ValueError, match="pool_read"):
+        pool_read(weight, x, sources[:, :3])
+
+    topo = LearnedTopology(8, 3, 2, k=2).double()
     sources[1, 3:] = -1  # padding
     score = torch.randn(6, 5, dtype=torch.float64).masked_fill(sources < 0, float("-inf")).requires_grad_()
     sink = torch.randn(6, 1, dtype=torch.float64, requires_grad=True)
-    fused = topo._pool_read(x, score, sink, sources)
-    weight = torch.cat([score, sink], 1).softmax(1)[:, :-1]
-    plain = (weight.unsqueeze(-1) * x.detach()[sources.clamp(min=0)]).sum(1)
-    torch.testing.assert_close(fused, plain)
-    grad = torch.randn_like(plain)
-    fused_grads = torch.autograd.grad(fused, (score, sink), grad)
-    plain_grads = torch.autograd.grad(plain, (score, sink), grad)
-    for a, b in zip(fused_grads, plain_grads):
+    read = topo._pool_read(x, score, sink, sources)
+    softmax = torch.cat([score, sink], 1).softmax(1)[:, :-1]
+    plain = (softmax.unsqueeze(-1) * x.detach()[sources.clamp(min=0)]).sum(1)
+    torch.testing.assert_close(read, plain)
+    for a, b in zip(torch.autograd.grad(read, (score, sink), grad), torch.autograd.grad(plain, (score, sink), grad)):
         torch.testing.assert_close(a, b)
-    assert torch.autograd.grad(fused.sum(), x, allow_unused=True) == (None,)  # the states are read, not trained
 
 
 def test_pool_read_trains_the_choice_in_training_only(full_config):

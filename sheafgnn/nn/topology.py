@@ -47,7 +47,6 @@ import torch
 from torch import Tensor, nn
 from torch_geometric.utils import softmax as segment_softmax
 
-from sheafgnn.nn.gluing import transport_sum
 from sheafgnn.nn.segment import ptr_from_index
 
 # Multipliers of the position hash (odd 31-bit constants; int64 products wrap).
@@ -229,6 +228,57 @@ def rule_pools(src: Tensor, dst: Tensor, edge_type: Tensor, num_dst: int) -> tup
     types = torch.zeros_like(sources)
     types[dst, slot] = edge_type
     return sources, types
+
+
+POOL_CHUNK_ELEMENTS = 1 << 20  # gathered candidate states per chunk of pool_read (4 MiB in float32)
+
+
+class _PoolRead(torch.autograd.Function):
+    """out = einsum('mp,mpd->md', weight, x[sources]) a chunk of rows at a time; the gradient reaches
+    ``weight`` only (``x`` is read, not trained), recomputing each chunk's gather."""
+
+    @staticmethod
+    def forward(ctx, weight: Tensor, x: Tensor, sources: Tensor) -> Tensor:
+        ctx.save_for_backward(x, sources)
+        rows = _pool_chunk(sources, x)
+        out = x.new_empty(sources.size(0), x.size(1))  # (M, D)
+        for m0 in range(0, sources.size(0), rows):
+            out[m0 : m0 + rows] = torch.einsum("mp,mpd->md", weight[m0 : m0 + rows], x[sources[m0 : m0 + rows]])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        x, sources = ctx.saved_tensors
+        rows = _pool_chunk(sources, x)
+        grad_weight = torch.zeros(sources.shape, dtype=x.dtype, device=x.device)  # (M, P)
+        for m0 in range(0, sources.size(0), rows):
+            grad_weight[m0 : m0 + rows] = torch.einsum("md,mpd->mp", grad_out[m0 : m0 + rows],
+                                                       x[sources[m0 : m0 + rows]])
+        return grad_weight, None, None
+
+
+def _pool_chunk(sources: Tensor, x: Tensor) -> int:
+    return max(1, POOL_CHUNK_ELEMENTS // max(1, sources.size(1) * x.size(1)))
+
+
+def pool_read(weight: Tensor, x: Tensor, sources: Tensor) -> Tensor:
+    r"""The weighted read of dense pools, :math:`\mathbf{out}_m = \sum_p w_{mp} \mathbf{x}_{s_{mp}}`,
+    differentiable in ``weight`` only, with memory :math:`O(M P)` besides ``x``: the
+    :math:`(M, P, D)` candidate states are gathered a chunk of rows at a time, in forward and
+    again in backward (autograd would keep them all, ~1 GB per layer at 32k tokens).
+
+    Args:
+        weight (Tensor): (M, P) weights.
+        x (Tensor): (N, D) states (their gradient is not computed: pass them detached).
+        sources (Tensor): (M, P) indices into ``x``.
+
+    Returns:
+        (M, D); equal to ``(weight.unsqueeze(-1) * x[sources]).sum(1)`` up to float rounding.
+    """
+    if weight.shape != sources.shape or x.dim() != 2:
+        raise ValueError(f"pool_read: expected weight and sources (M, P) and x (N, D) (got {tuple(weight.shape)}, "
+                         f"{tuple(sources.shape)}, {tuple(x.shape)})")
+    return _PoolRead.apply(weight, x, sources)
 
 
 @dataclass
@@ -447,18 +497,11 @@ class LearnedTopology(nn.Module):
         (a hard top-k passes none to the rest), so the choice learns which candidates carry what the
         prediction needs (the role of NSA's compressed branch). The states are read as they are
         (stop-gradient, no projection): a candidate whose state holds the next token is rewarded from
-        the first step. O(n P D) time in training, nothing at evaluation; memory O(n P) besides
-        the states: the fused :func:`~sheafgnn.nn.gluing.transport_sum` (identity transport) gathers
-        the (num_out, P, D) candidate states a block at a time and again in backward, instead of
-        keeping them for backward (at 32k tokens and ~57 candidates, ~1 GB per layer).
+        the first step. O(n P D) time in training, nothing at evaluation (:func:`pool_read`: the
+        candidate states are gathered in chunks, in forward and again in backward, never kept).
         """
         weight = torch.cat([score, sink], 1).softmax(1)[:, :-1]  # (num_out, P): -inf (padding) -> 0
-        M, P = sources.shape
-        ptr = torch.arange(0, M * P + 1, P, device=x.device)  # every output reads its P pool slots
-        identity = x.new_ones(1, 1).expand(M * P, 1)  # (E, 1): no transport, one stalk of D channels
-        read = transport_sum(x.detach().unsqueeze(1), sources.clamp(min=0).flatten(), ptr, identity,
-                             weight.flatten())  # (num_out, 1, D); padding has weight 0
-        return read.squeeze(1)
+        return pool_read(weight, x.detach(), sources.clamp(min=0))  # (num_out, D); padding has weight 0
 
     def _keys(self, x: Tensor, inp: TopologyInput) -> Tensor:
         """(N, r) keys; a token's key adds the projection of the token before it (zero at a graph's start),
