@@ -62,6 +62,15 @@ from sheafgnn.site.schema import GLUE_EDGES, NODE_TYPES, SiteConfig
 from sheafgnn.stream import LayerCache, SheafStream, StreamDelta, continue_chains, select_streamed
 
 
+@dataclass(frozen=True)
+class Extras:
+    """What a forward pass computes beyond the output states (each costs time, and in training memory)."""
+
+    candidates: bool = False  # every destination's whole pool with its scores (model.topology(candidates=True))
+    energy: bool = False  # the per-edge gluing energy (model.topology)
+    pool_read: bool = False  # the read of every output's whole pool (the pool-read loss, in training)
+
+
 @dataclass
 class SheafStateConfig(ConfigFile):
     """Hyperparameters of :class:`SheafStateLM`; loads from and saves to YAML/TOML/JSON."""
@@ -82,7 +91,7 @@ class SheafStateConfig(ConfigFile):
     content_blocks: int = 2  # content-addressed blocks proposed per output (0: off)
     proposal_block: int = 16  # tokens per content block B
     random_proposals: int = 4  # seeded random past tokens proposed per output
-    pool_loss_weight: float = 1.0  # auxiliary next-token loss read from each block's whole pools (trains the choice)
+    pool_loss_weight: float = 1.0  # next-token loss read from each block's whole pools (trains the choice; 0: skipped)
     balance_weight: float = 1e-2  # weight of the experts' load-balancing loss
     num_topics: int = 64  # topic ids embedded (ids wrap modulo this)
     gluing: bool = True  # False: Phi + token feed-forward only (the ssm ablation)
@@ -146,8 +155,7 @@ class SheafBlock(nn.Module):
                               normalize="none")
         self.broadcast = nn.Linear(D, D, bias=False)
 
-    def forward(self, h: Tensor, site: FlatSite, return_candidates: bool = False,
-                return_energy: bool = False) -> tuple[Tensor, dict]:
+    def forward(self, h: Tensor, site: FlatSite, extras: Extras = Extras()) -> tuple[Tensor, dict]:
         tok, patches, chained, out = site.tokens, site.patches, site.chained, site.outputs
         h_tok = h[tok] + self.phi_token(self.norm_token(h[tok]), site.token_reset)  # (num_tokens, D)
         if not self.gluing:
@@ -162,11 +170,11 @@ class SheafBlock(nn.Module):
         # Output t reads token t: its state starts from the token's (the 'token reads output' edge).
         h = torch.cat([h_tok, h_chain, h_patch[num_chained:], h[out] + h_tok])  # (N, D)
 
-        chosen = self.topology(h, topology_input(site), return_candidates)  # kept edges, sorted by destination
+        chosen = self.topology(h, topology_input(site), extras.candidates, extras.pool_read)  # sorted by destination
         # The per-edge energy is for inspection: in training it would keep two (E, d, f) tensors for backward.
-        glued = self.glue(h, chosen.edge_index, chosen.edge_type, chosen.weight, return_energy=return_energy,
+        glued = self.glue(h, chosen.edge_index, chosen.edge_type, chosen.weight, return_energy=extras.energy,
                           ptr=chosen.ptr)
-        h, energy = glued if return_energy else (glued, None)
+        h, energy = glued if extras.energy else (glued, None)
 
         update, balance = self.experts(self.norm_expert(h), site.type_ptr)
         h = h + update
@@ -275,11 +283,9 @@ class SheafStateLM(nn.Module):
         blocks = [blocks[i] + extra[t] if t in extra else blocks[i] for i, t in enumerate(FLAT_TYPES)]
         return torch.cat([tokens, *blocks[1:]])  # (N, D)
 
-    def _forward(self, data: HeteroData, return_candidates: bool = False,
-                 return_energy: bool = False) -> tuple[Tensor, list[dict], FlatSite]:
+    def _forward(self, data: HeteroData, extras: Extras = Extras()) -> tuple[Tensor, list[dict], FlatSite]:
         """(output states (num_tokens, D), per-block infos, the flat site); R (:meth:`readout`) is left out.
-        The infos hold each block's pools with ``return_candidates`` and its edge energies with
-        ``return_energy`` (None without)."""
+        The infos hold what ``extras`` asks for (None otherwise)."""
         self._check(data)
         x = data["token"].x
         if x.numel() and int(x.max()) >= self.config.vocab_size:
@@ -291,9 +297,9 @@ class SheafStateLM(nn.Module):
         recompute = self.config.checkpoint_blocks and self.training and torch.is_grad_enabled()
         for block in self.blocks:
             if recompute:  # keep only the block's input for backward; rerun the block there
-                h, info = checkpoint(block, h, site, return_candidates, return_energy, use_reentrant=False)
+                h, info = checkpoint(block, h, site, extras, use_reentrant=False)
             else:
-                h, info = block(h, site, return_candidates, return_energy)
+                h, info = block(h, site, extras)
             infos.append(info)
         h_out = h[site.block("output")] if self.config.gluing else h  # (num_tokens, D)
         return h_out, infos, site
@@ -318,13 +324,14 @@ class SheafStateLM(nn.Module):
         loss trains the choice of edges, not the rest of the model)."""
         if "y" not in data["token"]:
             raise ValueError("SheafStateLM.loss: the site has no targets data['token'].y")
-        h_out, infos, _ = self._forward(data)
+        read_pools = self.training and self.config.pool_loss_weight > 0
+        h_out, infos, _ = self._forward(data, Extras(pool_read=read_pools))
         y = data["token"].y
         loss = F.cross_entropy(self.readout(h_out), y, ignore_index=-100)
         for info in infos:
             loss = loss + self.config.balance_weight * info["balance"]
             pool_read = info["selection"].pool_read if "selection" in info else None
-            if pool_read is not None and self.config.pool_loss_weight:
+            if pool_read is not None:
                 pool_logits = self.readout(h_out.detach() + pool_read)  # (num_tokens, V)
                 loss = loss + self.config.pool_loss_weight * F.cross_entropy(pool_logits, y, ignore_index=-100)
         return loss
@@ -351,7 +358,7 @@ class SheafStateLM(nn.Module):
             raise ValueError("SheafStateLM.topology: this model has gluing switched off (the ssm ablation)")
         was_training = self.training
         self.eval()
-        _, infos, site = self._forward(data, return_candidates=candidates, return_energy=True)
+        _, infos, site = self._forward(data, Extras(candidates=candidates, energy=True))
         self.train(was_training)
         chosen: Selection = infos[block]["selection"]
         out = {}

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import sheafgnn.nn.topology as topology_module
-from sheafgnn.model import SheafStateLM, topology_input
+from sheafgnn.model import Extras, SheafStateLM, topology_input
 from sheafgnn.nn.topology import LearnedTopology, content_blocks, pool_read, random_proposals
 from sheafgnn.site import build_site
 from sheafgnn.site.flat import FLAT_TYPES, flatten_site
@@ -60,7 +60,7 @@ def test_content_blocks_stay_in_their_graph():
 def _selection(model, data, block=0):
     model.eval()
     with torch.no_grad():
-        _, infos, site = model._forward(data, return_candidates=True)
+        _, infos, site = model._forward(data, Extras(candidates=True))
     return infos[block]["selection"], site
 
 

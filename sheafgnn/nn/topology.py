@@ -468,7 +468,8 @@ class LearnedTopology(nn.Module):
         # and so its rank among equal scores, never depends on other destinations.
         return torch.cat([sources, rule_sources], 1), torch.cat([types, rule_types], 1)
 
-    def _output_selection(self, x: Tensor, q: Tensor, k: Tensor, inp: TopologyInput, return_candidates: bool):
+    def _output_selection(self, x: Tensor, q: Tensor, k: Tensor, inp: TopologyInput, return_candidates: bool,
+                          return_pool_read: bool):
         """Every output's pool (rules, content, random) in one dense (num_out, P) competition."""
         out0 = inp.outputs.start
         q_out = q[inp.outputs]  # (num_out, r)
@@ -482,7 +483,7 @@ class LearnedTopology(nn.Module):
         dst = torch.arange(out0, out0 + q_out.size(0), device=q.device).unsqueeze(1)  # (num_out, 1)
         src, edge_type = sources.gather(1, pick), types.gather(1, pick)
         kept_edges = (src[kept], dst.expand_as(top)[kept], edge_type[kept], weight[kept], top[kept])
-        pool_read = self._pool_read(x, score, sink, sources) if self.training else None
+        pool_read = self._pool_read(x, score, sink, sources) if return_pool_read else None
         pool = None
         if return_candidates:
             pool = (torch.stack([sources[valid], dst.expand_as(sources)[valid]]), types[valid], score[valid])
@@ -497,8 +498,8 @@ class LearnedTopology(nn.Module):
         (a hard top-k passes none to the rest), so the choice learns which candidates carry what the
         prediction needs (the role of NSA's compressed branch). The states are read as they are
         (stop-gradient, no projection): a candidate whose state holds the next token is rewarded from
-        the first step. O(n P D) time in training, nothing at evaluation (:func:`pool_read`: the
-        candidate states are gathered in chunks, in forward and again in backward, never kept).
+        the first step. O(n P D) time, computed only when asked for (:func:`pool_read`: the candidate
+        states are gathered in chunks, in forward and again in backward, never kept).
         """
         weight = torch.cat([score, sink], 1).softmax(1)[:, :-1]  # (num_out, P): -inf (padding) -> 0
         return pool_read(weight, x.detach(), sources.clamp(min=0))  # (num_out, D); padding has weight 0
@@ -512,10 +513,12 @@ class LearnedTopology(nn.Module):
         previous = previous.masked_fill((inp.token_pos == 0).unsqueeze(1), 0.0)
         return torch.cat([k[: inp.tokens.start], k[inp.tokens] + self.key_previous(previous), k[inp.tokens.stop :]])
 
-    def forward(self, x: Tensor, inp: TopologyInput, return_candidates: bool = False) -> Selection:
+    def forward(self, x: Tensor, inp: TopologyInput, return_candidates: bool = False,
+                return_pool_read: bool = False) -> Selection:
         q, k = self.query(x), self._keys(x, inp)  # (N, r) each
         patch, patch_pool, patch_types = self._patch_selection(q, k, inp, return_candidates)
-        output, output_pool, output_types, pool_read = self._output_selection(x, q, k, inp, return_candidates)
+        output, output_pool, output_types, pool_read = self._output_selection(x, q, k, inp, return_candidates,
+                                                                              return_pool_read)
         src, dst, edge_type, weight, score = (torch.cat([a, b]) for a, b in zip(patch, output))
         ptr = ptr_from_index(dst, x.size(0))
         num_candidates = torch.bincount(torch.cat([patch_types, output_types]), minlength=self.num_edge_types)
