@@ -13,7 +13,7 @@ from sheafgnn.experiments.report import pyplot, write_json
 from sheafgnn.model import SheafStateConfig
 
 SUMMARY_KEY = ("task", "seq_len", "train_len", "pairs", "vocab", "model", "hash_retrieval", "topology_rank",
-               "lr", "steps")  # one row per key
+               "topology_k", "content_blocks", "proposal_block", "lr", "steps")  # one row per key
 
 
 def _summary_key(row: dict) -> tuple:
@@ -26,18 +26,20 @@ def _summary_order(row: dict) -> tuple:
 
 def summary_rows(report: dict) -> list[dict]:
     """One row per task, test length and model: ``task, seq_len, train_len, pairs, vocab, model,
-    hash_retrieval, topology_rank, lr, accuracy, steps, tokens, seconds`` (``pairs``: MQAR only;
-    ``hash_retrieval``: whether the sheaf model's site had its hash retrieval rule, False for the models
-    that read ids only; ``topology_rank``: the sheaf model's, None for the others)."""
+    hash_retrieval, topology_rank, topology_k, content_blocks, proposal_block, lr, accuracy, steps, tokens,
+    seconds`` (``pairs``: MQAR only; ``hash_retrieval``: whether the sheaf model's site had its hash retrieval
+    rule, False for the models that read ids only; ``topology_rank``, ``topology_k``, ``content_blocks``,
+    ``proposal_block``: the sheaf model's topology, None for the others)."""
     cfg, rows = report["config"], []
-    rank = {**SheafStateConfig().to_dict(), **cfg["sheaf"]}["topology_rank"]
+    sheaf = {**SheafStateConfig().to_dict(), **cfg["sheaf"]}
+    topology = ("topology_rank", "topology_k", "content_blocks", "proposal_block")
     for task, r in report["tasks"].items():
         for kind, m in r["models"].items():
             for length, accuracy in m["accuracy"].items():
                 rows.append({"task": task, "seq_len": int(length), "train_len": r["train_len"],
                              "pairs": cfg["mqar_pairs"] if task == "mqar" else None, "vocab": r["vocab_size"],
                              "model": kind, "hash_retrieval": bool(cfg["hash_retrieval"]) and kind == "sheaf",
-                             "topology_rank": rank if kind == "sheaf" else None, "lr": cfg["lr"],
+                             **{k: sheaf[k] if kind == "sheaf" else None for k in topology}, "lr": cfg["lr"],
                              "accuracy": accuracy, "steps": cfg["steps"],
                              "tokens": cfg["steps"] * cfg["batch_size"] * r["train_len"], "seconds": m["train_s"]})
     return sorted(rows, key=_summary_order)
@@ -124,11 +126,12 @@ def markdown(report: dict) -> str:
 
 def _curve_label(kind: str, config: dict, several_runs: bool) -> str:
     """The model, whether the sheaf model had the hash rule, and, when several runs share a figure,
-    the sheaf model's topology rank and every model's learning rate."""
+    the sheaf model's topology rank and other settings and every model's learning rate."""
     notes = ["hash retrieval"] if kind == "sheaf" and config["hash_retrieval"] else []
     if several_runs:
         if kind == "sheaf":
             notes.append(f"rank {({**SheafStateConfig().to_dict(), **config['sheaf']})['topology_rank']}")
+            notes.extend(f"{key} {value}" for key, value in config["sheaf"].items() if key != "topology_rank")
         notes.append(f"lr {config['lr']:g}")
     return f"{kind} ({', '.join(notes)})" if notes else kind
 
