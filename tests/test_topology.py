@@ -203,7 +203,7 @@ def test_pool_read_equals_the_plain_weighted_sum(monkeypatch, chunk):
 
 def test_pool_read_trains_the_choice_in_training_only(full_config):
     """The pool read (an auxiliary loss over every candidate) reaches the scores of candidates the
-    top-k did not keep; it exists in training mode only and never changes the logits."""
+    top-k did not keep; only the training loss asks for it, and it never changes the logits."""
     torch.manual_seed(0)
     model = SheafStateLM(small_model_config(full_config, topology_k=1))
     data = build_site(PROSE, model.config.site_config)

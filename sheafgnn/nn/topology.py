@@ -292,7 +292,7 @@ class Selection:
     ptr: Tensor  # (N + 1,) destination CSR pointer of the kept edges
     num_candidates: Tensor  # (num_edge_types,) candidates in the pools, per edge type
     candidates: tuple[Tensor, Tensor, Tensor] | None = None  # pools: (2, C) index, (C,) type, (C,) score
-    pool_read: Tensor | None = None  # (num_outputs, D) soft read of every output's whole pool (training only)
+    pool_read: Tensor | None = None  # (num_outputs, D) soft read of every output's whole pool (when asked for)
 
 
 @dataclass
