@@ -13,7 +13,7 @@ from sheafgnn.experiments.report import pyplot, write_json
 from sheafgnn.model import SheafStateConfig
 
 SUMMARY_KEY = ("task", "seq_len", "train_len", "pairs", "vocab", "model", "hash_retrieval", "topology_rank",
-               "topology_k", "content_blocks", "proposal_block", "lr", "steps")  # one row per key
+               "topology_k", "content_blocks", "proposal_block", "pool_loss_weight", "lr", "steps")  # one row per key
 
 
 def _summary_key(row: dict) -> tuple:
@@ -26,13 +26,14 @@ def _summary_order(row: dict) -> tuple:
 
 def summary_rows(report: dict) -> list[dict]:
     """One row per task, test length and model: ``task, seq_len, train_len, pairs, vocab, model,
-    hash_retrieval, topology_rank, topology_k, content_blocks, proposal_block, lr, accuracy, steps, tokens,
-    seconds`` (``pairs``: MQAR only; ``hash_retrieval``: whether the sheaf model's site had its hash retrieval
-    rule, False for the models that read ids only; ``topology_rank``, ``topology_k``, ``content_blocks``,
-    ``proposal_block``: the sheaf model's topology, None for the others)."""
+    hash_retrieval, topology_rank, topology_k, content_blocks, proposal_block, pool_loss_weight, lr,
+    accuracy, steps, tokens, seconds`` (``pairs``: MQAR only; ``hash_retrieval``: whether the sheaf
+    model's site had its hash retrieval rule, False for the models that read ids only;
+    ``topology_rank`` ... ``pool_loss_weight``: the sheaf model's topology and its training, None for
+    the others)."""
     cfg, rows = report["config"], []
     sheaf = {**SheafStateConfig().to_dict(), **cfg["sheaf"]}
-    topology = ("topology_rank", "topology_k", "content_blocks", "proposal_block")
+    topology = ("topology_rank", "topology_k", "content_blocks", "proposal_block", "pool_loss_weight")
     for task, r in report["tasks"].items():
         for kind, m in r["models"].items():
             for length, accuracy in m["accuracy"].items():
