@@ -43,6 +43,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import platform
@@ -122,21 +123,33 @@ def proposal_cost(sizes: list[int], config: SheafStateConfig, repeats: int) -> l
     return rows
 
 
+@functools.cache
+def compare_options() -> tuple[dict, dict]:
+    """The compare's sizes (sheaf d_model 128, 2 layers; dense matched to its parameters within 10%):
+    model options and parameter counts per kind."""
+    return matched_options(("sheaf", "dense"), {"d_model": 128, "n_layers": 2}, 256, n_heads=4, window=256)
+
+
+def compare_model(kind: str, extra: dict | None = None) -> tuple[torch.nn.Module, SiteConfig]:
+    """A freshly seeded sheaf or dense model at the compare's size, in training mode, and its site config."""
+    torch.manual_seed(0)
+    site = {} if kind == "sheaf" else {"patch_types": []}  # dense reads the token ids only
+    model = build_model(kind, {**compare_options()[0][kind], **(extra or {})}, 256, site).train()
+    return model, SiteConfig.from_dict(site)
+
+
 def sheaf_vs_dense(n: int, repeats: int) -> dict:
     """Forward+backward time (best of ``repeats``) and peak extra memory of one n-token window (after a warm-up step),
     sheaf (without and with ``checkpoint_blocks``) against dense at matched parameters."""
-    options, counts = matched_options(("sheaf", "dense"), {"d_model": 128, "n_layers": 2}, 256, n_heads=4,
-                                      window=256)
     ids = corpus_ids(n + 1)
+    options, counts = compare_options()
     out = {"n": n, "params": {k: counts[k] for k in ("sheaf", "dense")},
            "d_model": {k: options[k]["d_model"] for k in ("sheaf", "dense")}}
     runs = (("sheaf", "sheaf", {}), ("sheaf_checkpoint", "sheaf", {"checkpoint_blocks": True}),
             ("dense", "dense", {}))
     for name, kind, extra in runs:
-        torch.manual_seed(0)
-        site = {} if kind == "sheaf" else {"patch_types": []}  # dense reads the token ids only
-        model = build_model(kind, {**options[kind], **extra}, 256, site).train()
-        data = build_site(ids[:n], SiteConfig.from_dict(site))
+        model, site = compare_model(kind, extra)
+        data = build_site(ids[:n], site)
         data["token"].y = ids[1 : n + 1]
 
         def step(model=model, data=data):
@@ -159,15 +172,12 @@ def sheaf_vs_dense(n: int, repeats: int) -> dict:
 
 def train_throughput(context: int, batch_size: int, steps: int) -> dict:
     """Training tokens/s of sheaf and dense at ``context``: sites built per window, PyG DataLoader, train_step."""
-    options, _ = matched_options(("sheaf", "dense"), {"d_model": 128, "n_layers": 2}, 256, n_heads=4, window=256)
     ids = corpus_ids(context * batch_size * (steps + 1) + 1)
     out = {"context": context, "batch_size": batch_size, "steps": steps}
     for kind in ("sheaf", "dense"):
-        torch.manual_seed(0)
-        site = {} if kind == "sheaf" else {"patch_types": []}  # dense reads the token ids only
-        model = build_model(kind, options[kind], 256, site).train()
+        model, site = compare_model(kind)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-        windows = WindowDataset(ids, context, SiteBuilder(SiteConfig.from_dict(site)))
+        windows = WindowDataset(ids, context, SiteBuilder(site))
         batches = iter(DataLoader(windows, batch_size=batch_size))
         train_step(model, next(batches), optimizer, lr=1e-3, grad_clip=1.0)  # warm-up
         start = time.perf_counter()
