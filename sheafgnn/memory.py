@@ -103,6 +103,12 @@ class PeakMemory:
                 f"{prefix}peak_extra_bytes": self.extra_bytes}
 
 
+# keep_freed_memory's glibc thresholds. Both must fit a C int: ctypes masks a larger Python int without
+# a word (a trim threshold of 1 << 34 was passed as 0, which returns freed memory to the kernel at once).
+MMAP_THRESHOLD = 1 << 30  # allocations below it come from the heap
+TRIM_THRESHOLD = (1 << 31) - 1  # free memory kept at the heap's top before it is returned
+
+
 def keep_freed_memory() -> bool:
     """Tune glibc's allocator for training on the CPU; returns False where it is not glibc.
 
@@ -114,11 +120,12 @@ def keep_freed_memory() -> bool:
     speed only, not results or peak memory (:class:`PeakMemory` trims first).
     """
     try:
-        libc = ctypes.CDLL(None)
-        m_trim_threshold, m_mmap_threshold = -1, -3  # mallopt parameters from <malloc.h>
-        return bool(libc.mallopt(m_mmap_threshold, 1 << 30) and libc.mallopt(m_trim_threshold, 1 << 34))
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int  # int mallopt(int, int)
+    m_trim_threshold, m_mmap_threshold = -1, -3  # mallopt parameters from <malloc.h>
+    return bool(mallopt(m_mmap_threshold, MMAP_THRESHOLD) and mallopt(m_trim_threshold, TRIM_THRESHOLD))
 
 
 def process_peak_bytes(device: torch.device) -> int:

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from sheafgnn.nn.gluing import transport_sum, transport_sum_reference
+from sheafgnn.nn.gluing import HAS_TORCH_SPARSE, transport_sum, transport_sum_reference
 from sheafgnn.nn.segment import HAS_TORCH_SCATTER, ptr_from_index, use_backend
 from sheafgnn.nn.sheaf import SheafConv
 
@@ -28,6 +28,11 @@ def random_graph(seed, num_nodes=12, num_edges=40, dense=True, weighted=True):
     return Y, src, ptr, transport, alpha
 
 
+def uses_spmm(backend, dense):
+    """Whether transport_sum (no block_rows) takes torch-sparse's SpMM: diagonal maps, compiled backend."""
+    return backend == "torch_scatter" and not dense and HAS_TORCH_SPARSE
+
+
 def leaves(Y, transport, alpha):
     return [t.clone().requires_grad_() if t is not None else None
             for t in (Y, transport, alpha)]
@@ -50,7 +55,10 @@ def test_matches_reference(backend, dense, weighted):
         out, grads = value_and_grads(transport_sum, *graph)
         ref, ref_grads = value_and_grads(transport_sum_reference, *graph)
     assert out.shape == (12, D, F)
-    assert torch.equal(out, ref)  # same ops in the same order
+    if uses_spmm(backend, dense):  # torch-sparse sums in its own order
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    else:
+        assert torch.equal(out, ref)  # same ops in the same order
     assert out[0].abs().max() == 0 and out[-1].abs().max() == 0  # empty segments
     for g, g_ref in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, g_ref, rtol=1e-12, atol=1e-12)
@@ -59,14 +67,15 @@ def test_matches_reference(backend, dense, weighted):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dense", [False, True])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_gradcheck(backend, dense, weighted):
+@pytest.mark.parametrize("block_rows", [2, None])  # None: the SpMM path for diagonal maps
+def test_gradcheck(backend, dense, weighted, block_rows):
     Y, src, ptr, transport, alpha = random_graph(1, 5, 9, dense, weighted)
     Y, transport, alpha = leaves(Y, transport, alpha)
     inputs = [t for t in (Y, transport, alpha) if t is not None]
 
     def fn(*args):
         return transport_sum(args[0], src, ptr, args[1],
-                             args[2] if weighted else None, block_rows=2)
+                             args[2] if weighted else None, block_rows=block_rows)
 
     with use_backend(backend):
         assert torch.autograd.gradcheck(fn, inputs)
@@ -81,6 +90,20 @@ def test_gradgradcheck():
             assert torch.autograd.gradgradcheck(
                 lambda y, t, a: transport_sum(y, src, ptr, t, a, block_rows=2),
                 [Y, transport, alpha])
+
+
+@pytest.mark.skipif(not (HAS_TORCH_SCATTER and HAS_TORCH_SPARSE), reason="needs torch-scatter and torch-sparse")
+def test_spmm_refuses_create_graph():
+    """torch-sparse's backward is not differentiable: a second derivative through it raises
+    instead of coming out as zeros."""
+    Y, src, ptr, transport, alpha = random_graph(2, 5, 9, dense=False)
+    Y, transport, alpha = leaves(Y, transport, alpha)
+    with use_backend("torch_scatter"):
+        out = transport_sum(Y, src, ptr, transport, alpha)
+        (grad,) = torch.autograd.grad(out.sum(), Y)  # first order works
+        with pytest.raises(RuntimeError, match="create_graph=True is not supported"):
+            torch.autograd.grad(out.pow(2).sum(), Y, create_graph=True)
+    assert grad.abs().sum() > 0
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -1,8 +1,11 @@
 
+import ctypes
+
 import pytest
 import torch
 from torch_geometric.data import Batch
 
+from sheafgnn.memory import MMAP_THRESHOLD, TRIM_THRESHOLD
 from sheafgnn.model import SheafStateConfig, SheafStateLM
 from sheafgnn.nn.experts import PatchExperts
 from sheafgnn.nn.segment import HAS_TORCH_SCATTER, use_backend
@@ -219,6 +222,12 @@ def test_checkpoint_blocks_gives_the_same_loss_and_gradients(full_config):
     assert len(grad_a) == len(grad_b)
     for a, b in zip(grad_a, grad_b):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_allocator_thresholds_fit_a_c_int():
+    """mallopt takes a C int and ctypes masks larger values silently (1 << 34 arrived as 0)."""
+    for value in (MMAP_THRESHOLD, TRIM_THRESHOLD):
+        assert ctypes.c_int(value).value == value > 0
 
 
 @pytest.mark.parametrize("tune", [True, False])
