@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from sheafgnn.nn.gluing import HAS_TORCH_SPARSE, transport_sum, transport_sum_reference
-from sheafgnn.nn.segment import HAS_TORCH_SCATTER, ptr_from_index, use_backend
+from sheafgnn.nn.gluing import transport_sum, transport_sum_reference
+from sheafgnn.nn.segment import HAS_TORCH_SCATTER, HAS_TORCH_SPARSE, ptr_from_index, use_backend
 from sheafgnn.nn.sheaf import SheafConv
 
 BACKENDS = ["torch"] + (["torch_scatter"] if HAS_TORCH_SCATTER else [])

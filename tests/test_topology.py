@@ -3,8 +3,10 @@ softmax weights with a "nothing" candidate, causal content and random proposals.
 import pytest
 import torch
 
+import sheafgnn.nn.segment as segment_module
 import sheafgnn.nn.topology as topology_module
 from sheafgnn.model import Extras, SheafStateLM, topology_input
+from sheafgnn.nn.segment import HAS_TORCH_SCATTER, HAS_TORCH_SPARSE
 from sheafgnn.nn.topology import LearnedTopology, content_blocks, pool_read, random_proposals
 from sheafgnn.site import build_site
 from sheafgnn.site.flat import FLAT_TYPES, flatten_site
@@ -170,12 +172,18 @@ def test_topology_input_and_repr(full_config):
         LearnedTopology(32, 3, 2, k=0)
 
 
-@pytest.mark.parametrize("chunk", [1 << 20, 40])  # one chunk; chunks of one row (P * D = 40)
-def test_pool_read_equals_the_plain_weighted_sum(monkeypatch, chunk):
-    """pool_read (candidate states gathered in chunks, again in backward) equals the plain weighted
-    gather-sum in value and in the weights' gradient, and gives the states none; LearnedTopology's pool
-    read through it matches the softmax-weighted sum in the scores' and the sink's gradients."""
+POOL_READ_PATHS = [("torch", 1 << 20), ("torch", 40)]  # one chunk; chunks of one row (P * D = 40)
+if HAS_TORCH_SCATTER and HAS_TORCH_SPARSE:
+    POOL_READ_PATHS.append(("torch_scatter", 1 << 20))  # torch-sparse's SpMM
+
+
+@pytest.mark.parametrize("backend,chunk", POOL_READ_PATHS)
+def test_pool_read_equals_the_plain_weighted_sum(monkeypatch, backend, chunk):
+    """pool_read (candidate states gathered in chunks, again in backward; or one SpMM) equals the plain
+    weighted gather-sum in value and in the weights' gradient, and gives the states none; LearnedTopology's
+    pool read through it matches the softmax-weighted sum in the scores' and the sink's gradients."""
     monkeypatch.setattr(topology_module, "POOL_CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr(segment_module, "_backend", backend)
     torch.manual_seed(0)
     x = torch.randn(20, 8, dtype=torch.float64, requires_grad=True)
     sources = torch.randint(0, 20, (6, 5))

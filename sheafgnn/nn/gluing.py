@@ -41,16 +41,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sheafgnn.nn.segment import index_from_ptr, ptr_from_index, resolve_backend, segment_gather, segment_sum
+from sheafgnn.nn.segment import index_from_ptr, ptr_from_index, segment_gather, segment_sum, use_spmm
 
-try:  # optional compiled extension: registers torch.ops.torch_sparse
-    import torch_sparse  # noqa: F401
-
-    HAS_TORCH_SPARSE = True
-except (ImportError, OSError):  # OSError: a wheel built for another torch
-    HAS_TORCH_SPARSE = False
-
-__all__ = ["BLOCK_ELEMENTS", "HAS_TORCH_SPARSE", "transport_sum", "transport_sum_reference"]
+__all__ = ["BLOCK_ELEMENTS", "transport_sum", "transport_sum_reference"]
 
 BLOCK_ELEMENTS = 1 << 24  # default block: about this many elements per (E_b, d, f) temporary
 
@@ -228,7 +221,7 @@ def transport_sum(Y: Tensor, src: Tensor, ptr: Tensor, transport: Tensor,
     if src.numel() == 0 or torch.compiler.is_compiling():
         return transport_sum_reference(Y, src, ptr, transport, alpha)
     if block_rows is None:
-        if transport.dim() == 2 and HAS_TORCH_SPARSE and resolve_backend() == "torch_scatter":
+        if transport.dim() == 2 and use_spmm():
             return _spmm_transport_sum(Y, src, ptr, transport, alpha)
         block_rows = max(1, BLOCK_ELEMENTS // max(1, Y[0].numel()))
     if block_rows < 1:

@@ -16,7 +16,9 @@ Two backends give identical results (up to float summation order):
   sync) and rows are summed with :func:`torch.Tensor.index_add` (works on
   every device and dtype, differentiable twice).
 
-``"auto"`` (the default) picks ``"torch_scatter"`` when it imports. Inside
+``"auto"`` (the default) picks ``"torch_scatter"`` when it imports. The
+compiled backend also runs torch-sparse's CSR SpMM where a sum of weighted
+gathered rows is wanted, when torch-sparse imports (:func:`use_spmm`). Inside
 :func:`torch.compile` the ``"torch"`` path is traced whatever the setting. The
 environment variable ``SHEAFGNN_SEGMENT_BACKEND`` sets the starting choice;
 :func:`set_backend` / :func:`use_backend` change it at run time.
@@ -46,9 +48,17 @@ except (ImportError, OSError):  # OSError: a wheel built for another torch
     _torch_scatter = None
     HAS_TORCH_SCATTER = False
 
+try:  # optional compiled extension: registers torch.ops.torch_sparse (its CSR SpMM)
+    import torch_sparse  # noqa: F401
+
+    HAS_TORCH_SPARSE = True
+except (ImportError, OSError):
+    HAS_TORCH_SPARSE = False
+
 __all__ = [
     "BACKENDS",
     "HAS_TORCH_SCATTER",
+    "HAS_TORCH_SPARSE",
     "get_backend",
     "index_from_ptr",
     "ptr_from_index",
@@ -59,6 +69,7 @@ __all__ = [
     "set_backend",
     "sort_by_destination",
     "use_backend",
+    "use_spmm",
 ]
 
 BACKENDS = ("auto", "torch_scatter", "torch")
@@ -109,6 +120,13 @@ def resolve_backend() -> str:
     if _backend == "auto":
         return "torch_scatter" if HAS_TORCH_SCATTER else "torch"
     return _backend
+
+
+def use_spmm() -> bool:
+    r"""Whether the compiled backend also runs torch-sparse's CSR SpMM (sums of weighted
+    gathered rows: diagonal-map gluing, the pool read) instead of the pure-PyTorch gather-and-sum:
+    torch-sparse is installed and :func:`resolve_backend` is :obj:`"torch_scatter"`."""
+    return HAS_TORCH_SPARSE and resolve_backend() == "torch_scatter"
 
 
 @contextlib.contextmanager
