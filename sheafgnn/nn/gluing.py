@@ -113,8 +113,9 @@ def _spmm_transport_sum(Y: Tensor, src: Tensor, ptr: Tensor, transport: Tensor,
     if Y.requires_grad:  # grad_Y runs A_i^T: the edges in source order
         csr2csc = torch.argsort(src, stable=True)  # (E,)
         colptr = ptr_from_index(src[csr2csc], N)  # (N + 1,)
-    out = torch.stack([torch.ops.torch_sparse.spmm_sum(row, ptr, src, weight[i], colptr, csr2csc, Y_by_dim[i])
-                       for i in range(d)])  # (d, N, f)
+    # unbind, not indexing: the backward of Y_by_dim[i] would zero-fill a (d, N, f) gradient per dim
+    out = torch.stack([torch.ops.torch_sparse.spmm_sum(row, ptr, src, w, colptr, csr2csc, y)
+                       for w, y in zip(weight.unbind(0), Y_by_dim.unbind(0))])  # (d, N, f)
     return _FirstOrderOnly.apply(out).transpose(0, 1)  # (N, d, f)
 
 

@@ -383,10 +383,13 @@ class LearnedTopology(nn.Module):
         nn.init.zeros_(self.sink)
 
     def _score(self, q: Tensor, k: Tensor, edge_type: Tensor) -> Tensor:
+        """Scores of candidates listed one per row (q, k (E, r)) or of dense pools (q (M, 1, r), k (M, P, r))."""
         if self.random_scores:  # seeded noise in place of every learned score
             generator = torch.Generator(device=q.device).manual_seed(self.seed + 1)
             return torch.randn(edge_type.shape, generator=generator, device=q.device)
-        return (q * k).sum(-1) / math.sqrt(self.rank) + self.type_bias[edge_type]
+        # A pool's dot products as one bmm: autograd keeps no (M, P, r) product, forward or backward.
+        dot = (q * k).sum(-1) if k.dim() == 2 else torch.bmm(k, q.transpose(1, 2)).squeeze(2)  # (E,) or (M, P)
+        return dot / math.sqrt(self.rank) + self.type_bias[edge_type]
 
     def compete_sparse(self, score: Tensor, dst: Tensor, sink: Tensor) -> tuple[Tensor, Tensor]:
         """The competition of destinations whose candidates are listed edge by edge.
