@@ -116,7 +116,9 @@ def _spmm_transport_sum(Y: Tensor, src: Tensor, ptr: Tensor, transport: Tensor,
     # unbind, not indexing: the backward of Y_by_dim[i] would zero-fill a (d, N, f) gradient per dim
     out = torch.stack([torch.ops.torch_sparse.spmm_sum(row, ptr, src, w, colptr, csr2csc, y)
                        for w, y in zip(weight.unbind(0), Y_by_dim.unbind(0))])  # (d, N, f)
-    return _FirstOrderOnly.apply(out).transpose(0, 1)  # (N, d, f)
+    if out.requires_grad:
+        out = _FirstOrderOnly.apply(out)
+    return out.transpose(0, 1)  # (N, d, f)
 
 
 class _FirstOrderOnly(torch.autograd.Function):
