@@ -156,19 +156,23 @@ class SheafBlock(nn.Module):
         self.broadcast = nn.Linear(D, D, bias=False)
 
     def forward(self, h: Tensor, site: FlatSite, extras: Extras = Extras()) -> tuple[Tensor, dict]:
-        tok, patches, chained, out = site.tokens, site.patches, site.chained, site.outputs
-        h_tok = h[tok] + self.phi_token(self.norm_token(h[tok]), site.token_reset)  # (num_tokens, D)
         if not self.gluing:
+            h_tok = h + self.phi_token(self.norm_token(h), site.token_reset)  # (num_tokens, D)
             update, balance = self.experts(self.norm_expert(h_tok), [0, h_tok.size(0)])
             return h_tok + update, {"balance": balance}
+        # Split, not slices: a split's backward is one cat, a slice's zero-fills an (N, D) gradient.
+        sizes = [site.tokens.stop, site.patches.stop - site.patches.start, site.outputs.stop - site.outputs.start]
+        h_tok, h_patch, h_out = h.split(sizes)  # (num_tokens, D), (num_patches, D), (num_tokens, D)
+        h_tok = h_tok + self.phi_token(self.norm_token(h_tok), site.token_reset)
         # Pool: each patch gets the mean of the token states it covers.
-        pooled = segment_mean(h_tok[site.cover_src], site.cover_ptr)  # (num_patches, D)
-        h_patch = h[patches] + self.pool(pooled)
-        num_chained = chained.stop - chained.start
-        h_chain = h_patch[:num_chained]  # (num_chained, D): Phi along each chain
-        h_chain = h_chain + self.phi_patch(self.norm_patch(h_chain), site.chain_reset)
+        # index_select, not indexing: its backward is an index_add (half the time of an accumulating put)
+        pooled = segment_mean(h_tok.index_select(0, site.cover_src), site.cover_ptr)  # (num_patches, D)
+        h_patch = h_patch + self.pool(pooled)
+        num_chained = site.chained.stop - site.chained.start
+        h_chain, h_unchained = h_patch.split([num_chained, h_patch.size(0) - num_chained])
+        h_chain = h_chain + self.phi_patch(self.norm_patch(h_chain), site.chain_reset)  # Phi along each chain
         # Output t reads token t: its state starts from the token's (the 'token reads output' edge).
-        h = torch.cat([h_tok, h_chain, h_patch[num_chained:], h[out] + h_tok])  # (N, D)
+        h = torch.cat([h_tok, h_chain, h_unchained, h_out + h_tok])  # (N, D)
 
         chosen = self.topology(h, topology_input(site), extras.candidates, extras.pool_read)  # sorted by destination
         # The per-edge energy is for inspection: in training it would keep two (E, d, f) tensors for backward.
@@ -177,8 +181,8 @@ class SheafBlock(nn.Module):
         h, energy = glued if extras.energy else (glued, None)
 
         update, balance = self.experts(self.norm_expert(h), site.type_ptr)
-        h = h + update
-        h = torch.cat([h[tok] + self.broadcast(h[out]), h[tok.stop :]])  # broadcast: output t -> token t
+        h_tok, h_patch, h_out = (h + update).split(sizes)
+        h = torch.cat([h_tok + self.broadcast(h_out), h_patch, h_out])  # broadcast: output t -> token t
         return h, {"balance": balance, "selection": chosen, "energy": energy}
 
     def step(self, h: Tensor, delta: StreamDelta, cache: LayerCache) -> Tensor:
@@ -279,7 +283,7 @@ class SheafStateLM(nn.Module):
         h = self.type_embedding(node_type)  # (N, D)
         extra = {"topic": self.topic_embedding(topic % self.config.num_topics),
                  "workspace": self.register_embedding(register)}
-        blocks = [h[type_ptr[i] : type_ptr[i + 1]] for i in range(len(FLAT_TYPES))]
+        blocks = h.split([type_ptr[i + 1] - type_ptr[i] for i in range(len(FLAT_TYPES))])
         blocks = [blocks[i] + extra[t] if t in extra else blocks[i] for i, t in enumerate(FLAT_TYPES)]
         return torch.cat([tokens, *blocks[1:]])  # (N, D)
 

@@ -130,6 +130,8 @@ def test_experts_routing_and_balance():
     assert torch.allclose(out[4:], part)
     with pytest.raises(ValueError, match="type_ptr must have 3 entries"):
         experts(x, [0, 10])
+    with pytest.raises(ValueError, match="from 0 to x.size"):
+        experts(x, [0, 4, 9])  # must cover x
 
 
 def test_ssm_ablation_has_no_gluing(full_config):

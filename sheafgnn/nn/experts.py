@@ -82,15 +82,18 @@ class PatchExperts(nn.Module):
         return out, balance
 
     def forward(self, x: Tensor, type_ptr: list[int]) -> tuple[Tensor, Tensor]:
-        if len(type_ptr) != self.num_types + 1:
-            raise ValueError(f"PatchExperts: type_ptr must have {self.num_types + 1} entries (got {len(type_ptr)})")
+        if len(type_ptr) != self.num_types + 1 or type_ptr[0] != 0 or type_ptr[-1] != x.size(0):
+            raise ValueError(f"PatchExperts: type_ptr must have {self.num_types + 1} entries from 0 to "
+                             f"x.size(0) = {x.size(0)} (got {list(type_ptr)})")
         outs, balance = [], x.new_zeros(())
-        for t in range(self.num_types):  # a loop per node type
+        # a split, not slices: its backward is one cat, where each slice's would zero-fill x's gradient
+        blocks = x.split([type_ptr[t + 1] - type_ptr[t] for t in range(self.num_types)])
+        for t, block in enumerate(blocks):  # a loop per node type
             # Inference skips a type without nodes (a stream's step has few); training still runs it, so
             # that its weights get (zero) gradients and the optimizer treats every step alike.
-            if type_ptr[t] == type_ptr[t + 1] and not torch.is_grad_enabled():
+            if block.size(0) == 0 and not torch.is_grad_enabled():
                 continue
-            out, loss = self._route(t, x[type_ptr[t] : type_ptr[t + 1]])
+            out, loss = self._route(t, block)
             outs.append(out)
             balance = balance + loss
         return (torch.cat(outs) if outs else torch.zeros_like(x)), balance / self.num_types
