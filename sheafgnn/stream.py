@@ -45,7 +45,7 @@ from torch import Tensor
 from sheafgnn.generation import TokenStream
 from sheafgnn.nn.segment import sort_by_destination
 from sheafgnn.nn.ssm import SSMState
-from sheafgnn.nn.topology import LearnedTopology, best_blocks, rule_pools, top_blocks
+from sheafgnn.nn.topology import LearnedTopology, best_blocks, pool_dot, rule_pools, top_blocks
 from sheafgnn.site.flat import FLAT_TYPES, FlatBlocks
 from sheafgnn.site.schema import CANDIDATE_EDGES, CHAINED_TYPES, COVER_EDGES
 from sheafgnn.site.stream import SiteDelta, SiteStream
@@ -366,7 +366,7 @@ def select_streamed(topology: LearnedTopology, h: Tensor, delta: StreamDelta,
     src, dst, types = delta.rule_src[into_patch], delta.rule_dst[into_patch], delta.rule_type[into_patch]
     patch_edges = (src, dst, types, q.new_zeros(0))
     if dst.numel():
-        score = topology._score(q[dst], cache.key.data[src], types)
+        score = topology._score((q[dst] * cache.key.data[src]).sum(-1), types)
         keep, weight = topology.compete_sparse(score, dst, topology.sink[delta.node_type[:out0]])
         patch_edges = (src[keep], dst[keep], types[keep], weight)
 
@@ -378,7 +378,7 @@ def select_streamed(topology: LearnedTopology, h: Tensor, delta: StreamDelta,
                                           delta.rule_type[into_output], q_out.size(0))
     sources, types = torch.cat([sources, rule_sources], 1), torch.cat([types, rule_types], 1)
     valid = sources >= 0
-    score = topology._score(q_out.unsqueeze(1), cache.key.data[sources.clamp(min=0)], types)  # (M, P)
+    score = topology._score(pool_dot(q_out, cache.key.data, sources.clamp(min=0)), types)  # (M, P)
     sink = topology.sink[delta.node_type[out0:]].unsqueeze(1)  # (M, 1)
     top, pick, weight = topology.compete_dense(score.masked_fill(~valid, float("-inf")), sink)
     kept = torch.isfinite(top)

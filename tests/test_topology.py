@@ -7,7 +7,7 @@ import sheafgnn.nn.segment as segment_module
 import sheafgnn.nn.topology as topology_module
 from sheafgnn.model import Extras, SheafStateLM, topology_input
 from sheafgnn.nn.segment import HAS_TORCH_SCATTER, HAS_TORCH_SPARSE
-from sheafgnn.nn.topology import LearnedTopology, content_blocks, pool_read, random_proposals
+from sheafgnn.nn.topology import LearnedTopology, content_blocks, pool_dot, pool_read, random_proposals
 from sheafgnn.site import build_site
 from sheafgnn.site.flat import FLAT_TYPES, flatten_site
 from sheafgnn.site.schema import CONTENT_EDGE, GLUE_EDGES, RANDOM_EDGE
@@ -170,6 +170,19 @@ def test_topology_input_and_repr(full_config):
                          "block_size=16, random_proposals=4)")
     with pytest.raises(ValueError, match="k, rank and block_size"):
         LearnedTopology(32, 3, 2, k=0)
+
+
+def test_pool_dot_equals_the_gathered_dot_products():
+    """pool_dot (keys gathered again in backward, their gradient an index_add) equals the plain gather-mul-sum in
+    value and gradients (gradcheck in float64), repeated sources included."""
+    torch.manual_seed(0)
+    q = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(9, 4, dtype=torch.float64, requires_grad=True)
+    sources = torch.randint(0, 3, (6, 5))  # many repeats: the index_add must accumulate
+    torch.testing.assert_close(pool_dot(q, k, sources), (q.unsqueeze(1) * k[sources]).sum(-1))
+    assert torch.autograd.gradcheck(lambda q, k: pool_dot(q, k, sources), (q, k))
+    with pytest.raises(ValueError, match="pool_dot"):
+        pool_dot(q, k, sources[:3])
 
 
 POOL_READ_PATHS = [("torch", 1 << 20), ("torch", 40)]  # one chunk; chunks of one row (P * D = 40)
