@@ -246,8 +246,10 @@ class _PoolRead(torch.autograd.Function):
         M, P = sources.shape
         if use_spmm():
             rowptr = torch.arange(0, M * P + 1, P, device=x.device)  # (M + 1,): rows of P entries
+            # detached: torch-sparse asks for its backward's index arrays whenever an input requires grad,
+            # also under no_grad (this backward is ours)
             return torch.ops.torch_sparse.spmm_sum(None, rowptr, sources.flatten(), weight.detach().flatten(), None,
-                                                   None, x)
+                                                   None, x.detach())
         rows = _pool_chunk(sources, x)
         out = x.new_empty(M, x.size(1))  # (M, D)
         for m0 in range(0, M, rows):
@@ -288,7 +290,7 @@ def pool_read(weight: Tensor, x: Tensor, sources: Tensor) -> Tensor:
     if weight.shape != sources.shape or x.dim() != 2:
         raise ValueError(f"pool_read: expected weight and sources (M, P) and x (N, D) (got {tuple(weight.shape)}, "
                          f"{tuple(sources.shape)}, {tuple(x.shape)})")
-    return _PoolRead.apply(weight, x.detach(), sources)
+    return _PoolRead.apply(weight, x, sources)
 
 
 class _PoolDot(torch.autograd.Function):
@@ -552,7 +554,7 @@ class LearnedTopology(nn.Module):
         prediction needs (the role of NSA's compressed branch). The states are read as they are
         (stop-gradient, no projection): a candidate whose state holds the next token is rewarded from
         the first step. O(n P D) time, computed only when asked for (:func:`pool_read`: the candidate
-        states are gathered in chunks, in forward and again in backward, never kept).
+        states are never kept for backward).
         """
         weight = torch.cat([score, sink], 1).softmax(1)[:, :-1]  # (num_out, P): -inf (padding) -> 0
         return pool_read(weight, x.detach(), sources.clamp(min=0))  # (num_out, D); padding has weight 0
