@@ -7,7 +7,7 @@ from torch_geometric.data import Batch
 
 from sheafgnn.memory import MMAP_THRESHOLD, TRIM_THRESHOLD
 from sheafgnn.model import SheafStateConfig, SheafStateLM
-from sheafgnn.nn.experts import PatchExperts
+from sheafgnn.nn.experts import FeedForward, PatchExperts, _LeanFeedForward, feed_forward_reference
 from sheafgnn.nn.segment import HAS_TORCH_SCATTER, use_backend
 from sheafgnn.nn.topology import topk_per_group
 from sheafgnn.site import CANDIDATE_EDGES, build_site
@@ -132,6 +132,38 @@ def test_experts_routing_and_balance():
         experts(x, [0, 10])
     with pytest.raises(ValueError, match="from 0 to x.size"):
         experts(x, [0, 4, 9])  # must cover x
+
+
+def _saved_bytes(fn) -> int:
+    """Bytes of the distinct storages autograd saves while ``fn`` runs."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(storages.values())
+
+
+def test_lean_feed_forward_matches_plain_composition():
+    torch.manual_seed(0)
+    ffn = FeedForward(6, 10).double()
+    x = torch.randn(7, 6, dtype=torch.float64, requires_grad=True)
+    inputs = (x, ffn.fc.weight, ffn.fc.bias, ffn.proj.weight, ffn.proj.bias)
+    grad = torch.randn(7, 6, dtype=torch.float64)
+    lean, plain = ffn(x), feed_forward_reference(*inputs)
+    torch.testing.assert_close(lean, plain)
+    for a, b in zip(torch.autograd.grad(lean, inputs, grad), torch.autograd.grad(plain, inputs, grad)):
+        torch.testing.assert_close(a, b)
+    torch.autograd.gradcheck(_LeanFeedForward.apply, inputs)
+    # it keeps x and fc(x), not gelu(fc(x)) too
+    x = torch.randn(50, 6, dtype=torch.float64, requires_grad=True)
+    hidden_bytes = 50 * 10 * 8
+    assert _saved_bytes(lambda: feed_forward_reference(x, *inputs[1:])) - _saved_bytes(lambda: ffn(x)) >= hidden_bytes
+    with torch.no_grad():  # inference takes the plain path
+        torch.testing.assert_close(ffn(x), feed_forward_reference(x, *inputs[1:]))
 
 
 def test_ssm_ablation_has_no_gluing(full_config):

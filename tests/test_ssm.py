@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sheafgnn.nn.ssm import SelectiveSSM, SSMState
-from sheafgnn.nn.ssm_kernels import gated_rms_norm, shift_conv, ssd_scan, ssd_scan_sequential
+from sheafgnn.nn.ssm_kernels import chain_conv, chain_conv_reference, gated_rms_norm, ssd_scan, ssd_scan_sequential
 
 
 def scan_inputs(L, H=3, P=4, N=5, p_reset=0.15, dtype=torch.float64, seed=0):
@@ -165,14 +165,26 @@ def test_scan_rejects_bad_shapes():
 
 
 @pytest.mark.parametrize("K", [1, 2, 4])
-def test_shift_conv_matches_shifted_slices(K):
+@pytest.mark.parametrize("with_window", [False, True])
+def test_chain_conv_matches_its_reference(K, with_window):
     g = torch.Generator().manual_seed(8)
-    n, C = 13, 5
-    xp, w, b = (torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
-                for shape in ((n + K - 1, C), (C, K), (C,)))
-    reference = b + sum(w[:, k] * xp[k:k + n] for k in range(K))  # (n, C)
-    torch.testing.assert_close(shift_conv(xp, w, b), reference)
-    torch.autograd.gradcheck(shift_conv, (xp, w, b))
+    C = 5
+    block = SelectiveSSM(8, headdim=8, d_conv=K)
+    starts = torch.zeros(13, dtype=torch.bool)
+    starts[[0, 4, 5]] = True  # three chains, one of length 1
+    pos, num_rows, before = block._layout(starts)
+    x, w, b = (torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
+               for shape in ((13, C), (C, K), (C,)))
+    window = (torch.randn(before.numel(), C, generator=g, dtype=torch.float64, requires_grad=True)
+              if with_window else None)
+    args = (x, pos, num_rows, w, b, before, window)
+    torch.testing.assert_close(chain_conv(*args), chain_conv_reference(*args))
+    torch.autograd.gradcheck(chain_conv, args)
+    # no element reads another chain: a change in chain 1 leaves chains 0 and 2 alone
+    x2 = x.detach().clone()
+    x2[4] += 1.0
+    changed = (chain_conv(x2, *args[1:]) - chain_conv(*args)).abs().sum(1) > 0
+    assert changed.tolist() == [False] * 4 + [True] + [False] * 8
 
 
 def test_gated_rms_norm_matches_rmsnorm_of_gated():

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sheafgnn.nn.ssm_kernels import chain_starts, gated_rms_norm, shift_conv, ssd_scan, ssd_scan_chains
+from sheafgnn.nn.ssm_kernels import chain_conv, chain_layout, chain_starts, gated_rms_norm, ssd_scan, ssd_scan_chains
 
 __all__ = ["SSMState", "SelectiveSSM"]
 
@@ -158,38 +158,43 @@ class SelectiveSSM(nn.Module):
         z, xBC, dt = torch.split(zxbcdt, [self.d_inner, self.conv_dim, self.nheads], dim=-1)
         return z, xBC, dt
 
-    def _conv(self, xBC: Tensor, starts: Tensor, window: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Causal depthwise conv that never reads across a chain start.
+    def _layout(self, starts: Tensor) -> tuple[Tensor, int, Tensor]:
+        """Rows of the chains' padded conv layout: ``d_conv - 1`` rows before each chain start, so
+        every tap is a plain shifted slice and never reads another chain.
+
+        Returns the row of every element (L,), the number of rows, and the rows before each chain
+        start (num_chains * (d_conv - 1),), chain by chain, oldest first.
+        """
+        K, L = self.d_conv, starts.numel()
+        chain = starts.long().cumsum(0)  # (L,): 1 for the first chain
+        pos = torch.arange(L, device=starts.device) + (K - 1) * chain  # (L,)
+        before = (pos[starts] - (K - 1)).unsqueeze(1) + torch.arange(K - 1, device=starts.device)  # (C, K-1)
+        return pos, L + (K - 1) * int(chain[-1]), before.flatten()
+
+    def _conv(self, xBC: Tensor, starts: Tensor, window: Tensor | None = None) -> Tensor:
+        """SiLU of the causal depthwise conv, never reading across a chain start.
 
         Each chain reads ``d_conv - 1`` rows before its start: zeros, or its row of ``window``
         (the last conv inputs of the chain so far, :attr:`SSMState.conv`).
 
         Shapes:
             - **input:** xBC (L, conv_dim), starts (L,) bool, window (num_chains, d_conv - 1, conv_dim)
-            - **output:** (L, conv_dim), and the padded layout (Lp, conv_dim) with the positions
-              of the rows of xBC in it (L,)
+            - **output:** (L, conv_dim)
         """
-        K = self.d_conv
-        L = xBC.size(0)
-        if K == 1:  # no taps before the current input: nothing to lay out
-            index = torch.arange(L, device=xBC.device)
-            return torch.addcmul(self.conv_bias, xBC, self.conv_weight[:, 0]), xBC, index
-        # Lay the chains out with K-1 rows before each chain start, so every
-        # tap is a plain shifted slice (a view) and never reads another chain.
-        chain = starts.long().cumsum(0)  # (L,): 1 for the first chain
-        pos = torch.arange(L, device=xBC.device) + (K - 1) * chain  # (L,)
-        Lp = L + (K - 1) * int(chain[-1])
-        xp = xBC.new_zeros(Lp, xBC.size(1)).index_copy(0, pos, xBC)  # (Lp, conv_dim)
-        if window is not None:
-            before = (pos[starts] - (K - 1)).unsqueeze(1) + torch.arange(K - 1, device=xBC.device)  # (C, K-1)
-            xp = xp.index_put((before.flatten(),), window.reshape(-1, xBC.size(1)))
-        out = shift_conv(xp, self.conv_weight, self.conv_bias)  # (Lp - K + 1, conv_dim)
-        return out.index_select(0, pos - (K - 1)), xp, pos  # (L, conv_dim)
+        if self.d_conv == 1:  # no taps before the current input: nothing to lay out
+            return F.silu(torch.addcmul(self.conv_bias, xBC, self.conv_weight[:, 0]))
+        pos, num_rows, before = self._layout(starts)
+        window = None if window is None else window.reshape(-1, xBC.size(1))
+        return chain_conv(xBC, pos, num_rows, self.conv_weight, self.conv_bias, before, window)
 
-    def _conv_tails(self, xp: Tensor, pos: Tensor, starts: Tensor) -> Tensor:
+    def _conv_tails(self, xBC: Tensor, starts: Tensor, window: Tensor | None) -> Tensor:
         """The last ``d_conv - 1`` conv inputs of every chain (reading into the rows before a short
-        chain), from the padded layout of :meth:`_conv`: (num_chains, d_conv - 1, conv_dim)."""
+        chain: its ``window``, or zeros): (num_chains, d_conv - 1, conv_dim)."""
         K = self.d_conv
+        pos, num_rows, before = self._layout(starts)
+        if window is not None:
+            window = window.reshape(-1, xBC.size(1))
+        xp = chain_layout(xBC, pos, num_rows, before, window)  # (num_rows, conv_dim)
         last = torch.cat([torch.nonzero(starts).squeeze(1)[1:] - 1, pos.new_tensor([pos.numel() - 1])])
         rows = pos[last].unsqueeze(1) + torch.arange(-(K - 2), 1, device=xp.device)  # (C, K-1)
         return xp[rows]  # (C, K-1, conv_dim)
@@ -233,8 +238,8 @@ class SelectiveSSM(nn.Module):
         if state is not None:
             self._check_state(state, int(starts.sum()))
         z, xBC, dt = self._split(self.in_proj(x))  # (L, d_inner), (L, conv_dim), (L, H)
-        conv, xp, pos = self._conv(xBC, starts, None if state is None else state.conv)
-        xs, B, C = torch.split(F.silu(conv), [self.d_inner, N, N], dim=-1)
+        window = None if state is None else state.conv
+        xs, B, C = torch.split(self._conv(xBC, starts, window), [self.d_inner, N, N], dim=-1)
         xs = xs.reshape(L, H, P)  # (L, H, P)
         dt = F.softplus(dt + self.dt_bias)  # (L, H)
         A = -torch.exp(self.A_log)  # (H,)
@@ -247,7 +252,7 @@ class SelectiveSSM(nn.Module):
         out = self._gate_out(y.reshape(L, self.d_inner), z)  # (L, D)
         if not return_state:
             return out
-        return out, SSMState(self._conv_tails(xp, pos, starts), h)
+        return out, SSMState(self._conv_tails(xBC, starts, window), h)
 
     def _check_state(self, state: SSMState, num_chains: int) -> None:
         conv = (num_chains, self.d_conv - 1, self.conv_dim)

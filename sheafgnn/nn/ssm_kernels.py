@@ -14,8 +14,8 @@ included::
         chunk states: (T, H, P, N), passed between chunks by an odd-even scan
         T = ceil(L / Q) chunks; cost O(L Q H + T H P N), no (L, L) tensor.
     ssd_scan_sequential(...)                 reference: the plain per-step recurrence
-    shift_conv(xp, w, b)                     depthwise causal conv, fused taps
-                                             (reference: a sum of shifted slices)
+    chain_conv(x, pos, rows, w, b)           SiLU(depthwise causal conv) over padded chains,
+                                             saving only its inputs (reference: chain_conv_reference)
     gated_rms_norm(y, z, weight, eps)        RMSNorm(y * SiLU(z)) * weight in one op
                                              (reference: nn.RMSNorm(y * F.silu(z)))
 
@@ -31,9 +31,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
+    "chain_conv",
+    "chain_conv_reference",
+    "chain_layout",
     "chain_starts",
     "gated_rms_norm",
-    "shift_conv",
     "ssd_scan",
     "ssd_scan_sequential",
 ]
@@ -99,43 +101,72 @@ def _linear_scan(g: Tensor, s: Tensor) -> Tensor:
 
 
 
-class _ShiftConv(torch.autograd.Function):
-    r"""Depthwise causal conv over rows: ``out[r] = b + sum_k w[:, k] xp[r + k]``.
-
-    Fused taps (in-place accumulation) with a hand-written backward, so no
-    per-tap temporaries are made or saved; only ``xp`` and ``w`` are kept.
+def chain_layout(x: Tensor, pos: Tensor, num_rows: int, window_rows: Tensor | None = None,
+                 window: Tensor | None = None) -> Tensor:
+    """The padded layout of chains for a causal conv: row ``pos[i]`` holds ``x[i]``, the rows
+    ``window_rows`` hold ``window`` (a chain's inputs before its start, or zeros), the rest zeros.
 
     Shapes:
-        - **input:** xp (n + K - 1, C), w (C, K), b (C,)
-        - **output:** (n, C)
+        - **input:** x (L, C), pos (L,), window_rows (R,), window (R, C)
+        - **output:** (num_rows, C)
+    """
+    xp = x.new_zeros(num_rows, x.size(1)).index_copy_(0, pos, x)  # (num_rows, C)
+    if window is not None:
+        xp.index_copy_(0, window_rows, window)
+    return xp
+
+
+def _taps(xp: Tensor, w: Tensor, b: Tensor) -> Tensor:
+    """``b + sum_k w[:, k] xp[r + k]`` for every row ``r`` that has ``K`` rows from it on: (num_rows - K + 1, C)."""
+    K = w.size(1)
+    n = xp.size(0) - K + 1
+    out = torch.addcmul(b, xp[:n], w[:, 0])  # (n, C)
+    for k in range(1, K):
+        out.addcmul_(xp[k:k + n], w[:, k])
+    return out
+
+
+class _ChainConv(torch.autograd.Function):
+    r"""``SiLU(b + sum_k w[:, k] xp[pos_i - K + 1 + k])`` with ``xp = chain_layout(x, ...)``.
+
+    Saves only its inputs (``x`` is a view of the SSM's input projection, kept anyway): the padded
+    layout, the pre-activation and the per-tap products are rebuilt in backward instead of stored
+    (autograd would keep the (L + pad, C) layout and the (L, C) pre-activation).
     """
 
     @staticmethod
-    def forward(ctx, xp: Tensor, w: Tensor, b: Tensor) -> Tensor:
-        K = w.size(1)
-        n = xp.size(0) - K + 1
-        out = torch.addcmul(b, xp[:n], w[:, 0])  # (n, C)
-        for k in range(1, K):
-            out.addcmul_(xp[k:k + n], w[:, k])
-        ctx.save_for_backward(xp, w)
-        return out
+    def forward(ctx, x: Tensor, pos: Tensor, num_rows: int, w: Tensor, b: Tensor,
+                window_rows: Tensor | None, window: Tensor | None) -> Tensor:
+        ctx.num_rows = num_rows
+        ctx.save_for_backward(x, pos, w, b, window_rows, window)
+        xp = chain_layout(x, pos, num_rows, window_rows, window)  # (num_rows, C)
+        return F.silu(_taps(xp, w, b).index_select(0, pos - (w.size(1) - 1)))  # (L, C)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g: Tensor):
-        xp, w = ctx.saved_tensors
+        x, pos, w, b, window_rows, window = ctx.saved_tensors
         K = w.size(1)
-        n = g.size(0)
-        dxp = dw = db = None
-        if ctx.needs_input_grad[0]:
-            dxp = g.new_zeros(xp.shape)  # (n + K - 1, C)
+        xp = chain_layout(x, pos, ctx.num_rows, window_rows, window)  # (num_rows, C), rebuilt
+        rows = pos - (K - 1)  # (L,): the conv row of every element
+        pre = _taps(xp, w, b).index_select(0, rows)  # (L, C), rebuilt
+        sig = torch.sigmoid(pre)
+        g_pre = g * sig.mul_(1.0 + pre * (1.0 - sig))  # (L, C): SiLU'(pre) = sig (1 + pre (1 - sig))
+        n = xp.size(0) - K + 1
+        g_rows = g.new_zeros(n, g.size(1)).index_copy_(0, rows, g_pre)  # (n, C): zero at padding rows
+        need_x, _, _, need_w, need_b, _, need_window = ctx.needs_input_grad
+        dx = dw = db = dwindow = None
+        if need_x or need_window:
+            dxp = torch.zeros_like(xp)  # (num_rows, C)
             for k in range(K):
-                dxp[k:k + n].addcmul_(g, w[:, k])
-        if ctx.needs_input_grad[1]:
-            dw = torch.stack([(g * xp[k:k + n]).sum(0) for k in range(K)], dim=1)  # (C, K)
-        if ctx.needs_input_grad[2]:
-            db = g.sum(0)  # (C,)
-        return dxp, dw, db
+                dxp[k:k + n].addcmul_(g_rows, w[:, k])
+            dx = dxp.index_select(0, pos) if need_x else None
+            dwindow = dxp.index_select(0, window_rows) if need_window else None
+        if need_w:
+            dw = torch.stack([(g_rows * xp[k:k + n]).sum(0) for k in range(K)], dim=1)  # (C, K)
+        if need_b:
+            db = g_pre.sum(0)  # (C,)
+        return dx, None, None, dw, db, None, dwindow
 
 
 class _GatedRMSNorm(torch.autograd.Function):
@@ -224,15 +255,31 @@ class _IntraChunk(torch.autograd.Function):
 
 
 
-def shift_conv(xp: Tensor, w: Tensor, b: Tensor) -> Tensor:
-    r"""Depthwise causal conv over rows, ``out[r] = b + sum_k w[:, k] xp[r + k]``
-    (fused taps, hand-written backward: see :class:`_ShiftConv`).
+def chain_conv(x: Tensor, pos: Tensor, num_rows: int, w: Tensor, b: Tensor,
+               window_rows: Tensor | None = None, window: Tensor | None = None) -> Tensor:
+    r"""SiLU of a depthwise causal conv over chains laid out with ``K - 1`` rows before each chain
+    (:func:`chain_layout`): ``SiLU(b + sum_k w[:, k] xp[pos_i - K + 1 + k])`` for every element
+    ``i``, in one op that saves only its inputs (:class:`_ChainConv`; reference:
+    :func:`chain_conv_reference`).
 
     Shapes:
-        - **input:** xp (n + K - 1, C), w (C, K), b (C,)
-        - **output:** (n, C)
+        - **input:** x (L, C), pos (L,) rows of the layout (each >= K - 1), w (C, K), b (C,),
+          window_rows (R,), window (R, C)
+        - **output:** (L, C)
     """
-    return _ShiftConv.apply(xp, w, b)
+    return _ChainConv.apply(x, pos, num_rows, w, b, window_rows, window)
+
+
+def chain_conv_reference(x: Tensor, pos: Tensor, num_rows: int, w: Tensor, b: Tensor,
+                         window_rows: Tensor | None = None, window: Tensor | None = None) -> Tensor:
+    """:func:`chain_conv` as the plain composition: layout, a sum of shifted slices, SiLU."""
+    xp = x.new_zeros(num_rows, x.size(1)).index_copy(0, pos, x)
+    if window is not None:
+        xp = xp.index_copy(0, window_rows, window)
+    K = w.size(1)
+    n = num_rows - K + 1
+    pre = b + sum(w[:, k] * xp[k:k + n] for k in range(K))  # (n, C)
+    return F.silu(pre[pos - (K - 1)])
 
 
 def gated_rms_norm(y: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
