@@ -43,7 +43,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from torch_geometric.data import HeteroData
@@ -52,6 +51,7 @@ from sheafgnn.config import ConfigFile
 from sheafgnn.memory import keep_freed_memory
 from sheafgnn.nn.experts import PatchExperts
 from sheafgnn.nn.quant import apply_quant, validate_quant
+from sheafgnn.nn.readout import readout_cross_entropy
 from sheafgnn.nn.segment import ptr_from_index, segment_mean
 from sheafgnn.nn.sheaf import SheafConv
 from sheafgnn.nn.ssm import SelectiveSSM
@@ -318,6 +318,13 @@ class SheafStateLM(nn.Module):
         """
         return self.norm_out(h_out) @ self.token_embedding.weight.T  # (num_tokens, V)
 
+    def readout_loss(self, h_out: Tensor, target: Tensor) -> Tensor:
+        """Mean cross-entropy of :meth:`readout` against ``target`` (-100: not counted), differentiated
+        in chunks of rows so that backward keeps no (num_tokens, V) logits
+        (:func:`~sheafgnn.nn.readout.readout_cross_entropy`)."""
+        norm = self.norm_out
+        return readout_cross_entropy(h_out, norm.weight, norm.bias, self.token_embedding.weight, target, norm.eps)
+
     def forward(self, data: HeteroData) -> Tensor:
         return self.readout(self._forward(data)[0])
 
@@ -331,13 +338,12 @@ class SheafStateLM(nn.Module):
         read_pools = self.training and self.config.pool_loss_weight > 0
         h_out, infos, _ = self._forward(data, Extras(pool_read=read_pools))
         y = data["token"].y
-        loss = F.cross_entropy(self.readout(h_out), y, ignore_index=-100)
+        loss = self.readout_loss(h_out, y)
         for info in infos:
             loss = loss + self.config.balance_weight * info["balance"]
             pool_read = info["selection"].pool_read if "selection" in info else None
             if pool_read is not None:
-                pool_logits = self.readout(h_out.detach() + pool_read)  # (num_tokens, V)
-                loss = loss + self.config.pool_loss_weight * F.cross_entropy(pool_logits, y, ignore_index=-100)
+                loss = loss + self.config.pool_loss_weight * self.readout_loss(h_out.detach() + pool_read, y)
         return loss
 
     @torch.no_grad()

@@ -161,7 +161,7 @@ def test_scan_rejects_bad_shapes():
 
 
 # ----------------------------------------------------------------------------
-# shift_conv and gated_rms_norm vs their plain references
+# chain_conv and gated_rms_norm vs their plain references
 
 
 @pytest.mark.parametrize("K", [1, 2, 4])
@@ -197,6 +197,9 @@ def test_gated_rms_norm_matches_rmsnorm_of_gated():
         norm.weight.copy_(weight)
     torch.testing.assert_close(gated_rms_norm(y, z, weight, eps), norm(y * torch.nn.functional.silu(z)))
     torch.autograd.gradcheck(lambda *t: gated_rms_norm(*t, eps), (y, z, weight))
+    proj = torch.randn(4, C, generator=g, dtype=torch.float64, requires_grad=True)  # the output projection inside
+    torch.testing.assert_close(gated_rms_norm(y, z, weight, eps, proj), norm(y * torch.nn.functional.silu(z)) @ proj.T)
+    torch.autograd.gradcheck(lambda y, z, w, p: gated_rms_norm(y, z, w, eps, p), (y, z, weight, proj))
 
 
 # ----------------------------------------------------------------------------

@@ -43,7 +43,7 @@ from torch import Tensor
 
 from sheafgnn.nn.segment import index_from_ptr, ptr_from_index, segment_gather, segment_sum, use_spmm
 
-__all__ = ["BLOCK_ELEMENTS", "transport_sum", "transport_sum_reference"]
+__all__ = ["BLOCK_ELEMENTS", "reads_by_stalk_dim", "transport_sum", "transport_sum_reference"]
 
 BLOCK_ELEMENTS = 1 << 24  # default block: about this many elements per (E_b, d, f) temporary
 
@@ -185,6 +185,14 @@ class _TransportSum(torch.autograd.Function):
                 torch.cat(grad_a) if need_a else None, None)
 
 
+def reads_by_stalk_dim(transport: Tensor) -> bool:
+    r"""Whether :func:`transport_sum` runs the SpMM per stalk dim for these maps (diagonal maps, the
+    compiled backend, torch-sparse installed). It then reads ``Y`` as (d, N, f): a ``Y`` laid out so
+    (the transpose of a contiguous (d, N, f) tensor) is read without a copy, and autograd keeps no
+    second copy of it."""
+    return transport.dim() == 2 and use_spmm() and not torch.compiler.is_compiling()
+
+
 def transport_sum(Y: Tensor, src: Tensor, ptr: Tensor, transport: Tensor,
                   alpha: Tensor | None = None,
                   block_rows: int | None = None) -> Tensor:
@@ -224,7 +232,7 @@ def transport_sum(Y: Tensor, src: Tensor, ptr: Tensor, transport: Tensor,
     if src.numel() == 0 or torch.compiler.is_compiling():
         return transport_sum_reference(Y, src, ptr, transport, alpha)
     if block_rows is None:
-        if transport.dim() == 2 and use_spmm():
+        if reads_by_stalk_dim(transport):
             return _spmm_transport_sum(Y, src, ptr, transport, alpha)
         block_rows = max(1, BLOCK_ELEMENTS // max(1, Y[0].numel()))
     if block_rows < 1:

@@ -38,8 +38,8 @@ from torch_geometric.nn.resolver import activation_resolver
 from torch_geometric.typing import OptTensor, SparseTensor
 from torch_geometric.utils import is_torch_sparse_tensor
 
+from sheafgnn.nn.gluing import reads_by_stalk_dim, transport_sum
 from sheafgnn.nn.gluing import restrict as _restrict
-from sheafgnn.nn.gluing import transport_sum
 from sheafgnn.nn.gluing import weigh as _weigh
 from sheafgnn.nn.segment import (
     index_from_ptr,
@@ -399,9 +399,13 @@ class SheafConv(MessagePassing):
         Y = X @ self.weight_channel  # (N, d, f)
         if self.weight_stalk is not None:
             Y = torch.einsum("ij,njf->nif", self.weight_stalk, Y)
+        fused = self._fused()
+        if fused and reads_by_stalk_dim(transport):
+            # laid out (d, N, f), as the SpMM gluing reads it: autograd keeps this one copy, not two
+            Y = Y.transpose(0, 1).contiguous().transpose(0, 1)  # (N, d, f) view of a (d, N, f) tensor
 
         # L_vv Y_v - sum_{e=(u->v)} alpha_e F_v^T F_u Y_u
-        if self._fused():  # saves no per-edge stalk for backward
+        if fused:  # saves no per-edge stalk for backward
             aggr = transport_sum(Y, src, edges.ptr, transport, edges.weight)
         else:  # per-edge messages for hooks and explainers
             aggr = self.propagate(

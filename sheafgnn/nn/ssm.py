@@ -204,7 +204,10 @@ class SelectiveSSM(nn.Module):
         if norm.weight is None or y.dtype != norm.weight.dtype:
             return self.out_proj(norm(y * F.silu(z)))
         eps = torch.finfo(y.dtype).eps if norm.eps is None else norm.eps
-        return self.out_proj(gated_rms_norm(y, z, norm.weight, eps))
+        proj = self.out_proj
+        if type(proj) is nn.Linear and proj.bias is None:  # the projection inside: its input is not kept
+            return gated_rms_norm(y, z, norm.weight, eps, proj.weight)
+        return proj(gated_rms_norm(y, z, norm.weight, eps))
 
     def forward(self, x: Tensor, reset: Tensor | None = None, state: SSMState | None = None,
                 return_state: bool = False) -> Tensor | tuple[Tensor, SSMState]:

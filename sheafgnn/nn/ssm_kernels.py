@@ -16,7 +16,7 @@ included::
     ssd_scan_sequential(...)                 reference: the plain per-step recurrence
     chain_conv(x, pos, rows, w, b)           SiLU(depthwise causal conv) over padded chains,
                                              saving only its inputs (reference: chain_conv_reference)
-    gated_rms_norm(y, z, weight, eps)        RMSNorm(y * SiLU(z)) * weight in one op
+    gated_rms_norm(y, z, weight, eps, proj)  RMSNorm(y * SiLU(z)) * weight [@ proj.T] in one op
                                              (reference: nn.RMSNorm(y * F.silu(z)))
 
 A chain is a run of the flat length axis that starts where ``reset`` is
@@ -170,30 +170,37 @@ class _ChainConv(torch.autograd.Function):
 
 
 class _GatedRMSNorm(torch.autograd.Function):
-    r"""``RMSNorm(y * SiLU(z)) * weight`` in one op (the gated norm of Mamba-2).
+    r"""``RMSNorm(y * SiLU(z)) * weight`` in one op (the gated norm of Mamba-2), optionally followed
+    by the output projection ``@ proj.T``.
 
-    Saves only ``y``, ``z`` and the per-row ``1/rms``; the gate and the
-    normalised rows are rebuilt in backward instead of being stored.
+    Saves only ``y``, ``z`` and the per-row ``1/rms`` (and ``proj``); the gate and the normalised
+    rows are rebuilt in backward instead of being stored (with ``proj``, autograd would also keep
+    the normed rows for the projection's weight gradient).
 
     Shapes:
-        - **input:** y (L, C), z (L, C), weight (C,)
-        - **output:** (L, C)
+        - **input:** y (L, C), z (L, C), weight (C,), proj (D, C) or None
+        - **output:** (L, C), or (L, D) with ``proj``
     """
 
     @staticmethod
-    def forward(ctx, y: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
+    def forward(ctx, y: Tensor, z: Tensor, weight: Tensor, eps: float, proj: Tensor | None) -> Tensor:
         g = F.silu(z).mul_(y)  # (L, C)
         rstd = torch.rsqrt(g.square().mean(dim=-1, keepdim=True).add_(eps))  # (L, 1)
-        ctx.save_for_backward(y, z, weight, rstd)
-        return g.mul_(rstd).mul_(weight)  # (L, C)
+        ctx.save_for_backward(y, z, weight, rstd, proj)
+        out = g.mul_(rstd).mul_(weight)  # (L, C)
+        return out if proj is None else out @ proj.t()  # (L, C) or (L, D)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, go: Tensor):
-        y, z, weight, rstd = ctx.saved_tensors
+        y, z, weight, rstd, proj = ctx.saved_tensors
         sig = torch.sigmoid(z)  # (L, C)
         s = z * sig  # (L, C): SiLU(z)
         n = (y * s).mul_(rstd)  # (L, C): normalised rows
+        dproj = None
+        if proj is not None:
+            dproj = go.t() @ (n * weight) if ctx.needs_input_grad[4] else None  # (D, C)
+            go = go @ proj  # (L, C): the gradient at the norm's output
         dw = (go * n).sum(dim=0) if ctx.needs_input_grad[2] else None  # (C,)
         gw = go * weight  # (L, C)
         dot = (gw * n).mean(dim=-1, keepdim=True)  # (L, 1)
@@ -202,7 +209,7 @@ class _GatedRMSNorm(torch.autograd.Function):
         dz = None
         if ctx.needs_input_grad[1]:  # SiLU'(z) = sig (1 + z (1 - sig))
             dz = dg.mul_(y).mul_(sig.mul_(1.0 + z * (1.0 - sig)))  # (L, C)
-        return dy, dz, dw, None
+        return dy, dz, dw, None, dproj
 
 
 class _IntraChunk(torch.autograd.Function):
@@ -282,15 +289,15 @@ def chain_conv_reference(x: Tensor, pos: Tensor, num_rows: int, w: Tensor, b: Te
     return F.silu(pre[pos - (K - 1)])
 
 
-def gated_rms_norm(y: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
-    r"""``RMSNorm(y * SiLU(z)) * weight`` in one op that saves only ``y``, ``z``
-    and ``1/rms`` for backward (see :class:`_GatedRMSNorm`).
+def gated_rms_norm(y: Tensor, z: Tensor, weight: Tensor, eps: float, proj: Tensor | None = None) -> Tensor:
+    r"""``RMSNorm(y * SiLU(z)) * weight``, then ``@ proj.T`` if given, in one op that saves only
+    ``y``, ``z``, ``1/rms`` (and ``proj``) for backward (see :class:`_GatedRMSNorm`).
 
     Shapes:
-        - **input:** y (L, C), z (L, C), weight (C,)
-        - **output:** (L, C)
+        - **input:** y (L, C), z (L, C), weight (C,), proj (D, C)
+        - **output:** (L, C), or (L, D) with ``proj``
     """
-    return _GatedRMSNorm.apply(y, z, weight, eps)
+    return _GatedRMSNorm.apply(y, z, weight, eps, proj)
 
 
 def _scan_precision(*tensors: Tensor) -> tuple[Tensor, ...]:
