@@ -6,8 +6,8 @@ from sheafgnn.nn.readout import readout_cross_entropy, readout_cross_entropy_ref
 
 def _inputs(M=37, D=6, V=11, seed=0):
     g = torch.Generator().manual_seed(seed)
-    h, weight, bias = (torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True) for s in ((M, D), (D,), (D,)))
-    embedding = torch.randn(V, D, generator=g, dtype=torch.float64, requires_grad=True)
+    h, weight, bias, embedding = (torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
+                                  for shape in ((M, D), (D,), (D,), (V, D)))
     target = torch.randint(V, (M,), generator=g)
     target[[3, 8, 30]] = -100  # rows that do not count
     return h, weight, bias, embedding, target
