@@ -163,7 +163,8 @@ class SheafBlock(nn.Module):
         # Split, not slices: a split's backward is one cat, a slice's zero-fills an (N, D) gradient.
         sizes = [site.tokens.stop, site.patches.stop - site.patches.start, site.outputs.stop - site.outputs.start]
         h_tok, h_patch, h_out = h.split(sizes)  # (num_tokens, D), (num_patches, D), (num_tokens, D)
-        h_tok = h_tok + self.phi_token(self.norm_token(h_tok), site.token_reset)
+        # The norm keeps its input for backward: a copy of the token rows, not a view that would keep all of h
+        h_tok = h_tok + self.phi_token(self.norm_token(h_tok.clone()), site.token_reset)
         # Pool: each patch gets the mean of the token states it covers.
         # index_select, not indexing: its backward is an index_add (half the time of an accumulating put)
         pooled = segment_mean(h_tok.index_select(0, site.cover_src), site.cover_ptr)  # (num_patches, D)
@@ -182,7 +183,8 @@ class SheafBlock(nn.Module):
 
         update, balance = self.experts(self.norm_expert(h), site.type_ptr)
         h_tok, h_patch, h_out = (h + update).split(sizes)
-        h = torch.cat([h_tok + self.broadcast(h_out), h_patch, h_out])  # broadcast: output t -> token t
+        # broadcast: output t -> token t; the linear keeps a copy of the output rows, not a view of all of h
+        h = torch.cat([h_tok + self.broadcast(h_out.clone()), h_patch, h_out])
         return h, {"balance": balance, "selection": chosen, "energy": energy}
 
     def step(self, h: Tensor, delta: StreamDelta, cache: LayerCache) -> Tensor:

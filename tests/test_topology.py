@@ -7,7 +7,7 @@ import sheafgnn.nn.segment as segment_module
 import sheafgnn.nn.topology as topology_module
 from sheafgnn.model import Extras, SheafStateLM, topology_input
 from sheafgnn.nn.segment import HAS_TORCH_SCATTER, HAS_TORCH_SPARSE
-from sheafgnn.nn.topology import LearnedTopology, content_blocks, pool_dot, pool_read, random_proposals
+from sheafgnn.nn.topology import LearnedTopology, content_blocks, pool_dot, pool_read, random_proposals, top_blocks
 from sheafgnn.site import build_site
 from sheafgnn.site.flat import FLAT_TYPES, flatten_site
 from sheafgnn.site.schema import CONTENT_EDGE, GLUE_EDGES, RANDOM_EDGE
@@ -170,6 +170,28 @@ def test_topology_input_and_repr(full_config):
                          "block_size=16, random_proposals=4)")
     with pytest.raises(ValueError, match="k, rank and block_size"):
         LearnedTopology(32, 3, 2, k=0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("graphs", ["one", "several"])
+def test_top_blocks_masks_exactly_the_columns_out_of_range(seed, graphs):
+    """top_blocks masks only the columns outside [max(first), min(last)); it picks what a full mask picks:
+    rows of one graph (consecutive positions: a common first block, the last ones differ by a few), and
+    of several graphs (different first blocks; some rows with fewer than m blocks, some with none)."""
+    g = torch.Generator().manual_seed(seed)
+    R, C, col0, m = 12, 20, 5, 3
+    score = torch.randn(R, C, generator=g)
+    if graphs == "one":
+        first = torch.full((R,), col0)
+        last = col0 + C - torch.randint(0, 6, (R,), generator=g)
+    else:
+        first = torch.randint(col0, col0 + 8, (R,), generator=g)
+        last = first + torch.randint(0, 12, (R,), generator=g)
+    col = torch.arange(col0, col0 + C)
+    ok = (col >= first.unsqueeze(1)) & (col < last.unsqueeze(1))
+    top, pick = score.masked_fill(~ok, float("-inf")).topk(m, dim=1)
+    expected = torch.where(torch.isfinite(top), col0 + pick, -1)
+    assert torch.equal(top_blocks(score.clone(), first, last, m, col0), expected)
 
 
 def test_pool_dot_equals_the_gathered_dot_products():
