@@ -15,7 +15,8 @@ G       sheaf gluing with learned restriction maps       sheafgnn/nn/sheaf.py: `
         along a learned, competitive topology            edges that sheafgnn/nn/topology.py:
                                                          ``LearnedTopology`` chooses
 E       site-aware experts, routed by patch type         sheafgnn/nn/experts.py: ``PatchExperts``
-R       readout: output states to next-token logits      sheafgnn/model.py: ``SheafStateLM.readout``
+R       readout: output states to next-token logits      sheafgnn/model.py: ``SheafStateLM.readout``; its
+                                                         training loss in sheafgnn/nn/readout.py
 ======  ===============================================  =================================================
 
 The model reads the site flat (:func:`~sheafgnn.site.flat.flatten_site`).
