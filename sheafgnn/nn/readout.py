@@ -75,8 +75,8 @@ def readout_cross_entropy(h: Tensor, norm_weight: Tensor, norm_bias: Tensor, emb
                           eps: float = 1e-5, chunk_rows: int = READOUT_CHUNK_ROWS) -> Tensor:
     r"""Mean next-token cross-entropy of :math:`\mathrm{LayerNorm}(\mathbf{h}) \mathbf{W}^\top`,
     differentiated in forward a chunk of rows at a time, so that backward keeps only the gradients
-    (see the module docstring); equal to :func:`readout_cross_entropy_reference` up to float rounding.
-    Not differentiable twice.
+    (see the module docstring); equal to :func:`readout_cross_entropy_reference` up to float rounding,
+    and that composition itself for at most ``chunk_rows`` rows. Not differentiable twice.
 
     Args:
         h (Tensor): (M, D) states.
@@ -95,4 +95,6 @@ def readout_cross_entropy(h: Tensor, norm_weight: Tensor, norm_bias: Tensor, emb
                          f"(got {tuple(h.shape)}, {tuple(target.shape)} and {tuple(embedding.shape)})")
     if chunk_rows < 1:
         raise ValueError(f"readout_cross_entropy: chunk_rows must be >= 1 (got {chunk_rows})")
+    if h.size(0) <= chunk_rows:  # one chunk: what it keeps is small, and the plain composition is faster
+        return readout_cross_entropy_reference(h, norm_weight, norm_bias, embedding, target, eps)
     return _ReadoutCrossEntropy.apply(h, norm_weight, norm_bias, embedding, target, eps, chunk_rows)

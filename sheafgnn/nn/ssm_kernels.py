@@ -199,7 +199,8 @@ class _GatedRMSNorm(torch.autograd.Function):
         n = (y * s).mul_(rstd)  # (L, C): normalised rows
         dproj = None
         if proj is not None:
-            dproj = go.t() @ (n * weight) if ctx.needs_input_grad[4] else None  # (D, C)
+            # go^T (n * weight) = (go^T n) * weight: the scaling on the small (D, C) product
+            dproj = (go.t() @ n).mul_(weight) if ctx.needs_input_grad[4] else None  # (D, C)
             go = go @ proj  # (L, C): the gradient at the norm's output
         dw = (go * n).sum(dim=0) if ctx.needs_input_grad[2] else None  # (C,)
         gw = go * weight  # (L, C)
