@@ -14,7 +14,8 @@
 5. Sheaf against dense at 32k tokens in the same run, at the compare's
    matched sizes (sheaf d_model 128, dense matched within 10%, 2 layers):
    forward+backward time and peak extra memory, and the sheaf model again with
-   ``checkpoint_blocks`` (each block recomputed in backward).
+   ``checkpoint_blocks`` (each block recomputed in backward); each model in a
+   fresh process (:func:`fwd_bwd`), as in step 5b.
    5b. Sheaf at twice that (64k) against dense *estimated* there from
    :math:`t = a n^2 + b n` fitted to dense's times at 8k, 16k and 32k of this
    run (a dense step at 64k takes minutes here); the JSON says
@@ -63,7 +64,7 @@ from torch_geometric.loader import DataLoader
 from sheafgnn.data import WindowDataset, corpus_ids
 from sheafgnn.experiments.report import pyplot, save_figure
 from sheafgnn.lm import build_model, matched_options
-from sheafgnn.memory import PeakMemory
+from sheafgnn.memory import PeakMemory, keep_freed_memory
 from sheafgnn.model import SheafStateConfig, SheafStateLM
 from sheafgnn.nn.gluing import transport_sum, transport_sum_reference
 from sheafgnn.nn.segment import HAS_TORCH_SCATTER, segment_sum, sort_by_destination, use_backend
@@ -143,9 +144,20 @@ def compare_model(kind: str, extra: dict | None = None) -> tuple[torch.nn.Module
 
 
 def fwd_bwd(kind: str, n: int, repeats: int, extra: dict | None = None, memory: bool = True) -> dict:
+    """:func:`fwd_bwd_here` in a fresh process (``--fwd-bwd``): the peak resident set of a step depends on
+    what the process allocated before it (the same sheaf step read 3,039 and 3,494 MiB in two runs when it
+    followed step 1 in this process; 2,967-3,102 MiB in fresh ones), so every model gets its own process,
+    as a training run would. Both kinds run under the allocator setting the sheaf model applies itself."""
+    spec = {"kind": kind, "n": n, "repeats": repeats, "extra": extra or {}, "memory": memory}
+    command = [sys.executable, __file__, "--fwd-bwd", json.dumps(spec), "--threads", str(torch.get_num_threads())]
+    return json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+
+
+def fwd_bwd_here(kind: str, n: int, repeats: int, extra: dict, memory: bool) -> dict:
     """Forward+backward seconds (best of ``repeats``, after a warm-up step) of one n-token window of the
     compare-size model, and with ``memory`` its peak extra memory (one more step, timed apart: PeakMemory
     trims the heap first, so that step pays cold pages)."""
+    keep_freed_memory()  # what building a sheaf model does (tune_cpu_allocator): dense gets the same
     ids = corpus_ids(n + 1)
     model, site = compare_model(kind, extra)
     data = build_site(ids[:n], site)
@@ -335,8 +347,13 @@ def main() -> None:
     parser.add_argument("--compare-n", type=int, default=32768, help="tokens of the sheaf vs dense step (default: 32k)")
     parser.add_argument("--untuned", action="store_true", help="step 1 only, with tune_cpu_allocator=False "
                         "(writes model_untuned.json)")
+    parser.add_argument("--fwd-bwd", metavar="JSON", help="one fwd_bwd_here measurement (its JSON arguments), "
+                        "printed as JSON: the fresh process of steps 5 and 5b")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.fwd_bwd:
+        print(json.dumps(fwd_bwd_here(**json.loads(args.fwd_bwd))))
+        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     config = SheafStateConfig(d_model=args.d_model, n_layers=args.layers, tune_cpu_allocator=not args.untuned)
