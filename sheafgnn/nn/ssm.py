@@ -171,29 +171,28 @@ class SelectiveSSM(nn.Module):
         before = (pos[starts] - (K - 1)).unsqueeze(1) + torch.arange(K - 1, device=starts.device)  # (C, K-1)
         return pos, L + (K - 1) * int(chain[-1]), before.flatten()
 
-    def _conv(self, xBC: Tensor, starts: Tensor, window: Tensor | None = None) -> Tensor:
+    def _conv(self, xBC: Tensor, layout: tuple[Tensor, int, Tensor], window: Tensor | None = None) -> Tensor:
         """SiLU of the causal depthwise conv, never reading across a chain start.
 
-        Each chain reads ``d_conv - 1`` rows before its start: zeros, or its row of ``window``
-        (the last conv inputs of the chain so far, :attr:`SSMState.conv`).
+        Each chain reads ``d_conv - 1`` rows before its start (``layout``, from :meth:`_layout`): zeros,
+        or its rows of ``window`` (the last conv inputs of the chain so far, :attr:`SSMState.conv`, one
+        row per position before a start).
 
         Shapes:
-            - **input:** xBC (L, conv_dim), starts (L,) bool, window (num_chains, d_conv - 1, conv_dim)
+            - **input:** xBC (L, conv_dim), window (num_chains * (d_conv - 1), conv_dim)
             - **output:** (L, conv_dim)
         """
         if self.d_conv == 1:  # no taps before the current input: nothing to lay out
             return F.silu(torch.addcmul(self.conv_bias, xBC, self.conv_weight[:, 0]))
-        pos, num_rows, before = self._layout(starts)
-        window = None if window is None else window.reshape(-1, xBC.size(1))
+        pos, num_rows, before = layout
         return chain_conv(xBC, pos, num_rows, self.conv_weight, self.conv_bias, before, window)
 
-    def _conv_tails(self, xBC: Tensor, starts: Tensor, window: Tensor | None) -> Tensor:
+    def _conv_tails(self, xBC: Tensor, starts: Tensor, layout: tuple[Tensor, int, Tensor],
+                    window: Tensor | None) -> Tensor:
         """The last ``d_conv - 1`` conv inputs of every chain (reading into the rows before a short
         chain: its ``window``, or zeros): (num_chains, d_conv - 1, conv_dim)."""
         K = self.d_conv
-        pos, num_rows, before = self._layout(starts)
-        if window is not None:
-            window = window.reshape(-1, xBC.size(1))
+        pos, num_rows, before = layout
         xp = chain_layout(xBC, pos, num_rows, before, window)  # (num_rows, conv_dim)
         last = torch.cat([torch.nonzero(starts).squeeze(1)[1:] - 1, pos.new_tensor([pos.numel() - 1])])
         rows = pos[last].unsqueeze(1) + torch.arange(-(K - 2), 1, device=xp.device)  # (C, K-1)
@@ -241,8 +240,9 @@ class SelectiveSSM(nn.Module):
         if state is not None:
             self._check_state(state, int(starts.sum()))
         z, xBC, dt = self._split(self.in_proj(x))  # (L, d_inner), (L, conv_dim), (L, H)
-        window = None if state is None else state.conv
-        xs, B, C = torch.split(self._conv(xBC, starts, window), [self.d_inner, N, N], dim=-1)
+        layout = self._layout(starts)  # shared by the conv and, with return_state, its tails
+        window = None if state is None else state.conv.reshape(-1, self.conv_dim)  # (C * (K-1), conv_dim)
+        xs, B, C = torch.split(self._conv(xBC, layout, window), [self.d_inner, N, N], dim=-1)
         xs = xs.reshape(L, H, P)  # (L, H, P)
         dt = F.softplus(dt + self.dt_bias)  # (L, H)
         A = -torch.exp(self.A_log)  # (H,)
@@ -255,7 +255,7 @@ class SelectiveSSM(nn.Module):
         out = self._gate_out(y.reshape(L, self.d_inner), z)  # (L, D)
         if not return_state:
             return out
-        return out, SSMState(self._conv_tails(xBC, starts, window), h)
+        return out, SSMState(self._conv_tails(xBC, starts, layout, window), h)
 
     def _check_state(self, state: SSMState, num_chains: int) -> None:
         conv = (num_chains, self.d_conv - 1, self.conv_dim)
