@@ -131,9 +131,10 @@ class StreamDelta(FlatBlocks):
     cover_ptr: Tensor  # (num_new_patches + 1,)
     chain_rows: list[int]  # row in LayerCache.chain_ssm of every new patch chain, in order
     chain_reset: Tensor  # (num_new_chained,)
-    rule_src: Tensor  # (E,) cache row of the source of each rule candidate into a new node
-    rule_dst: Tensor  # (E,) new node (delta index) of its destination, sorted
-    rule_type: Tensor  # (E,) index into CANDIDATE_EDGES
+    patch_rules: tuple[Tensor, Tensor, Tensor]  # (E,) each: rule candidates into new patches (source cache row,
+    # destination delta index, sorted; index into CANDIDATE_EDGES)
+    output_pool: tuple[Tensor, Tensor]  # (M, P1 + W) each: the candidates of every new output that no block's
+    # choice changes (cache rows, -1: none; edge types): its position proposals, then its rule pool
     new_blocks: list[tuple[int, int, Tensor]]  # per stream: (stream, first new block, (blocks, B) token rows)
     token_rows: Tensor  # (positions, B) cache row of each stream's token at each position so far
 
@@ -234,6 +235,10 @@ class SheafStream(TokenStream):
         cover_src, _, _, cover_ptr = self._edges(deltas, first, COVER_EDGES, type_ptr)
         cover_ptr = cover_ptr[type_ptr[1] : type_ptr[_OUTPUT] + 1]  # over the new patches
         rule_src, rule_dst, rule_type, _ = self._edges(deltas, first, CANDIDATE_EDGES, type_ptr)
+        into_patch = rule_dst < type_ptr[_OUTPUT]  # the sorted head
+        patch_rules = (rule_src[into_patch], rule_dst[into_patch], rule_type[into_patch])
+        output_pool = self._output_pool(token_pos, token_stream, token_rows, rule_src[~into_patch],
+                                        rule_dst[~into_patch] - type_ptr[_OUTPUT], rule_type[~into_patch])
         chains = [(i * B + b, counts[FLAT_TYPES.index(t)][b]) for i, t in enumerate(CHAINED_TYPES) for b in range(B)
                   if counts[FLAT_TYPES.index(t)][b]]  # (pool row, new patches) of every continued chain
         chain_sizes = [size for _, size in chains]
@@ -243,8 +248,18 @@ class SheafStream(TokenStream):
         return StreamDelta(type_ptr, node_type, concat([d.ids for d in present]),
                            concat([d.attrs["topic"] for d in present]), concat([d.attrs["workspace"] for d in present]),
                            rows, token_streams, token_stream, token_reset, token_pos, previous_row, cover_src,
-                           cover_ptr, [row for row, _ in chains], chain_reset, rule_src, rule_dst, rule_type,
+                           cover_ptr, [row for row, _ in chains], chain_reset, patch_rules, output_pool,
                            new_blocks, token_rows)
+
+    def _output_pool(self, pos: Tensor, stream: Tensor, token_rows: Tensor, rule_src: Tensor, rule_dst: Tensor,
+                     rule_type: Tensor) -> tuple[Tensor, Tensor]:
+        """The candidates of the new outputs that are the same in every block: their position proposals
+        (:meth:`LearnedTopology.position_proposals`; every block's topology has the model's proposal
+        settings) as cache rows, then their rule pools; (M, P1 + W) each (-1: none)."""
+        near, near_types = self.model.blocks[0].topology.position_proposals(pos, torch.zeros_like(pos))
+        near = torch.where(near >= 0, token_rows[near.clamp(min=0), stream.unsqueeze(1)], -1)
+        rules, rule_types = rule_pools(rule_src, rule_dst, rule_type, pos.numel())
+        return torch.cat([near, rules], 1), torch.cat([near_types, rule_types], 1)
 
     def _write_rows(self, deltas, counts, first, type_ptr, rows) -> tuple[Tensor, Tensor]:
         """Record the cache rows of the new non-output nodes in the per-type tables (each new node by
@@ -273,8 +288,10 @@ class SheafStream(TokenStream):
         device = self.device
         chunks = [(i, b, d) for i, edge_type in enumerate(edge_types) for b, d in enumerate(deltas)
                   if d is not None and edge_type in d.edges]  # edge-type major, like flatten_site
-        index = torch.cat([d.edges[edge_types[i]] for i, _, d in chunks], 1).to(device) if chunks \
-            else torch.zeros(2, 0, dtype=torch.long, device=device)  # (2, E) ids in each stream's site
+        if not chunks:  # e.g. the cover edges of a generated token that closes no patch
+            empty = torch.zeros(0, dtype=torch.long, device=device)
+            return empty, empty, empty, torch.zeros(type_ptr[-1] + 1, dtype=torch.long, device=device)
+        index = torch.cat([d.edges[edge_types[i]] for i, _, d in chunks], 1).to(device)  # (2, E) ids per site
         sizes = [d.edges[edge_types[i]].size(1) for i, _, d in chunks]
         meta = torch.tensor([[i, b, first[edge_types[i][2]][b] - d.node_offset[edge_types[i][2]]]
                              for i, b, d in chunks], dtype=torch.long, device=device).view(-1, 3)
@@ -287,7 +304,7 @@ class SheafStream(TokenStream):
             table = self.node_rows[edge_types[i][0]].data
             src.append(table[index[0, start : start + size], stream[start : start + size]])
             start += size
-        src = torch.cat(src) if src else index[0]
+        src = torch.cat(src)
         edge_index, types, ptr = sort_by_destination(torch.stack([src, index[1] + shift]), types,
                                                      num_nodes=type_ptr[-1])
         return edge_index[0], edge_index[1], types, ptr
@@ -362,21 +379,20 @@ def select_streamed(topology: LearnedTopology, h: Tensor, delta: StreamDelta,
 
     # Non-output destinations: their rule candidates, edge by edge.
     out0 = delta.type_ptr[_OUTPUT]
-    into_patch = delta.rule_dst < out0
-    src, dst, types = delta.rule_src[into_patch], delta.rule_dst[into_patch], delta.rule_type[into_patch]
+    src, dst, types = delta.patch_rules
     patch_edges = (src, dst, types, q.new_zeros(0))
     if dst.numel():
         score = topology._score((q[dst] * cache.key.data[src]).sum(-1), types)
         keep, weight = topology.compete_sparse(score, dst, topology.sink[delta.node_type[:out0]])
         patch_edges = (src[keep], dst[keep], types[keep], weight)
 
-    # Outputs: one dense pool each (proposals, then rules), as LearnedTopology._output_pool.
+    # Outputs: one dense pool each (content proposals, then the rest), as LearnedTopology._output_pool.
     q_out = q[out0:]  # (M, r)
-    sources, types = _output_proposals(topology, q_out, delta, cache)
-    into_output = delta.rule_dst >= out0
-    rule_sources, rule_types = rule_pools(delta.rule_src[into_output], delta.rule_dst[into_output] - out0,
-                                          delta.rule_type[into_output], q_out.size(0))
-    sources, types = torch.cat([sources, rule_sources], 1), torch.cat([types, rule_types], 1)
+    sources, types = delta.output_pool
+    if topology.content_blocks:
+        sources = torch.cat([_content_proposals(topology, q_out, delta, cache), sources], 1)
+        types = torch.cat([torch.full((q_out.size(0), sources.size(1) - types.size(1)), topology.content_type,
+                                      dtype=types.dtype, device=types.device), types], 1)
     valid = sources >= 0
     score = topology._score(pool_dot(q_out, cache.key.data, sources.clamp(min=0)), types)  # (M, P)
     sink = topology.sink[delta.node_type[out0:]].unsqueeze(1)  # (M, 1)
@@ -387,22 +403,19 @@ def select_streamed(topology: LearnedTopology, h: Tensor, delta: StreamDelta,
     return tuple(torch.cat([a, b]) for a, b in zip(patch_edges, output_edges))
 
 
-def _output_proposals(topology: LearnedTopology, q_out: Tensor, delta: StreamDelta,
-                      cache: LayerCache) -> tuple[Tensor, Tensor]:
-    """(M, P0) cache rows of every new output's proposed tokens (-1: none) and their edge types."""
-    B, m = topology.block_size, topology.content_blocks
+def _content_proposals(topology: LearnedTopology, q_out: Tensor, delta: StreamDelta, cache: LayerCache) -> Tensor:
+    """(M, content_blocks * B) cache rows of the tokens of every new output's chosen blocks (-1: none)."""
+    B = topology.block_size
     pos, stream = delta.token_pos, delta.token_stream  # (M,) each: output i sits at token i
-    blocks = torch.full((pos.numel(), m), -1, dtype=torch.long, device=pos.device)
-    if m:
-        blocks = stream_blocks(q_out, stream, pos // B, cache.block_key.data, m)  # (M, m) block indices
-        blocks = torch.where(blocks >= 0, blocks * B, -1)
-    tokens, kinds = topology.proposals(blocks, pos, torch.zeros_like(pos))  # positions in each stream
-    rows = delta.token_rows[tokens.clamp(min=0), stream.unsqueeze(1)]
-    return torch.where(tokens >= 0, rows, -1), kinds
+    blocks = stream_blocks(q_out, stream, pos // B, cache.block_key.data, topology.content_blocks,
+                           one_per_stream=pos.numel() == len(delta.token_streams))  # (M, m) block indices
+    tokens = topology.block_proposals(torch.where(blocks >= 0, blocks * B, -1))  # positions in each stream
+    return torch.where(tokens >= 0, delta.token_rows[tokens.clamp(min=0), stream.unsqueeze(1)], -1)
 
 
 @torch.no_grad()
-def stream_blocks(query: Tensor, stream: Tensor, last: Tensor, block_key: Tensor, num_blocks: int) -> Tensor:
+def stream_blocks(query: Tensor, stream: Tensor, last: Tensor, block_key: Tensor, num_blocks: int,
+                  one_per_stream: bool) -> Tensor:
     """For each query row, the ``num_blocks`` best of its stream's blocks ``j < last`` (as :func:`best_blocks`).
 
     Args:
@@ -411,12 +424,13 @@ def stream_blocks(query: Tensor, stream: Tensor, last: Tensor, block_key: Tensor
         last (Tensor): (M,) one past the last block each row may choose.
         block_key (Tensor): (J, B, r) the summaries of every stream's complete blocks.
         num_blocks (int): blocks kept per row.
+        one_per_stream (bool): each stream has at most one row (generation).
 
     Returns:
         (M, num_blocks) block indices (best first), -1 where fewer blocks qualify.
     """
     M, J = query.size(0), block_key.size(0)
-    if M == stream.unique().numel():  # one row per stream (generation): all streams in one product
+    if one_per_stream:  # all streams in one product
         # Rows are in stream order, so with every stream present the keys need no gather (at 32k tokens
         # and 16 streams the gather would copy 8 MB per block and step).
         keys = block_key if M == block_key.size(1) else block_key[:, stream]

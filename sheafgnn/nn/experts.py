@@ -110,10 +110,11 @@ class PatchExperts(nn.Module):
         self.routers = (nn.ModuleList(nn.Linear(channels, num_experts, bias=False) for _ in range(num_types))
                         if num_experts > 1 else None)
 
-    def _route(self, t: int, x: Tensor) -> tuple[Tensor, Tensor]:
+    def _route(self, t: int, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Type ``t``'s experts on its rows, and their load-balancing loss (None: nothing to balance)."""
         experts = self.experts[t]
-        if self.routers is None or x.size(0) == 0:  # an empty type has no load to balance
-            return experts[0](x), x.new_zeros(())
+        if self.routers is None or x.size(0) == 0:  # one expert, or an empty type: no load to balance
+            return experts[0](x), None
         probs = self.routers[t](x).softmax(-1)  # (n, k)
         weight, choice = probs.max(-1)  # (n,), (n,)
         out = torch.zeros_like(x)
@@ -128,7 +129,7 @@ class PatchExperts(nn.Module):
         if len(type_ptr) != self.num_types + 1 or type_ptr[0] != 0 or type_ptr[-1] != x.size(0):
             raise ValueError(f"PatchExperts: type_ptr must have {self.num_types + 1} entries from 0 to "
                              f"x.size(0) = {x.size(0)} (got {list(type_ptr)})")
-        outs, balance = [], x.new_zeros(())
+        outs, losses = [], []
         # a split, not slices: its backward is one cat, where each slice's would zero-fill x's gradient
         blocks = x.split([type_ptr[t + 1] - type_ptr[t] for t in range(self.num_types)])
         for t, block in enumerate(blocks):  # a loop per node type
@@ -138,8 +139,10 @@ class PatchExperts(nn.Module):
                 continue
             out, loss = self._route(t, block)
             outs.append(out)
-            balance = balance + loss
-        return (torch.cat(outs) if outs else torch.zeros_like(x)), balance / self.num_types
+            if loss is not None:
+                losses.append(loss)
+        balance = torch.stack(losses).sum() / self.num_types if losses else x.new_zeros(())
+        return (torch.cat(outs) if outs else torch.zeros_like(x)), balance
 
     def __repr__(self) -> str:
         return (f"{self.__class__.__name__}({self.channels}, num_types={self.num_types}, "

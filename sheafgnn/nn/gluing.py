@@ -46,6 +46,7 @@ from sheafgnn.nn.segment import index_from_ptr, ptr_from_index, segment_gather, 
 __all__ = ["BLOCK_ELEMENTS", "reads_by_stalk_dim", "transport_sum", "transport_sum_reference"]
 
 BLOCK_ELEMENTS = 1 << 24  # default block: about this many elements per (E_b, d, f) temporary
+GATHER_EDGES = 256  # without gradients, up to this many edges take the plain gather (see _gathers)
 
 
 def restrict(maps: Tensor, y: Tensor, transpose: bool = False) -> Tensor:
@@ -185,12 +186,19 @@ class _TransportSum(torch.autograd.Function):
                 torch.cat(grad_a) if need_a else None, None)
 
 
+def _gathers(transport: Tensor) -> bool:
+    """Whether :func:`transport_sum` runs the plain gather-and-sum: without gradients on at most
+    :data:`GATHER_EDGES` edges (a generation step's few, where ``d`` SpMM calls and the layout around
+    them cost more than the gather), or under :func:`torch.compile`."""
+    return (not torch.is_grad_enabled() and transport.size(0) <= GATHER_EDGES) or torch.compiler.is_compiling()
+
+
 def reads_by_stalk_dim(transport: Tensor) -> bool:
     r"""Whether :func:`transport_sum` runs the SpMM per stalk dim for these maps (diagonal maps, the
-    compiled backend, torch-sparse installed). It then reads ``Y`` as (d, N, f): a ``Y`` laid out so
-    (the transpose of a contiguous (d, N, f) tensor) is read without a copy, and autograd keeps no
-    second copy of it."""
-    return transport.dim() == 2 and use_spmm() and not torch.compiler.is_compiling()
+    compiled backend, torch-sparse installed, not :func:`_gathers`). It then reads ``Y`` as (d, N, f):
+    a ``Y`` laid out so (the transpose of a contiguous (d, N, f) tensor) is read without a copy, and
+    autograd keeps no second copy of it."""
+    return transport.dim() == 2 and use_spmm() and not _gathers(transport)
 
 
 def transport_sum(Y: Tensor, src: Tensor, ptr: Tensor, transport: Tensor,
@@ -221,7 +229,8 @@ def transport_sum(Y: Tensor, src: Tensor, ptr: Tensor, transport: Tensor,
         blocked function, up to float rounding on the SpMM path (diagonal
         maps, compiled backend, torch-sparse installed, no
         :obj:`block_rows`); the gradients agree up to float rounding. Under
-        :func:`torch.compile` the reference composition is traced instead.
+        :func:`torch.compile`, and without gradients on at most
+        :data:`GATHER_EDGES` edges, it is the reference composition.
     """
     if Y.dim() != 3 or transport.dim() not in (2, 3) or \
             transport.shape[:2] != (src.numel(), Y.size(1)):
@@ -229,7 +238,7 @@ def transport_sum(Y: Tensor, src: Tensor, ptr: Tensor, transport: Tensor,
             f"transport_sum: expected Y (N, d, f) and transport (E, d) or "
             f"(E, d, d) with E = src.numel() (got Y {tuple(Y.shape)}, "
             f"transport {tuple(transport.shape)}, src {tuple(src.shape)})")
-    if src.numel() == 0 or torch.compiler.is_compiling():
+    if src.numel() == 0 or _gathers(transport):
         return transport_sum_reference(Y, src, ptr, transport, alpha)
     if block_rows is None:
         if reads_by_stalk_dim(transport):

@@ -292,12 +292,17 @@ def chain_conv_reference(x: Tensor, pos: Tensor, num_rows: int, w: Tensor, b: Te
 
 def gated_rms_norm(y: Tensor, z: Tensor, weight: Tensor, eps: float, proj: Tensor | None = None) -> Tensor:
     r"""``RMSNorm(y * SiLU(z)) * weight``, then ``@ proj.T`` if given, in one op that saves only
-    ``y``, ``z``, ``1/rms`` (and ``proj``) for backward (see :class:`_GatedRMSNorm`).
+    ``y``, ``z``, ``1/rms`` (and ``proj``) for backward (see :class:`_GatedRMSNorm`). Without
+    gradients it is the plain composition: nothing is saved then, and an autograd function's call
+    costs more than the whole norm on the few rows of a generation step.
 
     Shapes:
         - **input:** y (L, C), z (L, C), weight (C,), proj (D, C)
         - **output:** (L, C), or (L, D) with ``proj``
     """
+    if not torch.is_grad_enabled():
+        out = F.rms_norm(y * F.silu(z), weight.shape, weight, eps)
+        return out if proj is None else F.linear(out, proj)
     return _GatedRMSNorm.apply(y, z, weight, eps, proj)
 
 

@@ -479,28 +479,27 @@ class LearnedTopology(nn.Module):
         weight = torch.cat([top, sink], 1).softmax(1)[:, :-1]  # (M, k): -inf -> 0
         return top, pick, weight
 
-    def proposals(self, blocks: Tensor, token_pos: Tensor, graph_start: Tensor) -> tuple[Tensor, Tensor]:
-        """(M, P0) proposed source tokens of every output (-1: none) and their edge types:
-        the tokens of its chosen blocks, those of its own block up to itself (NSA's sliding window, so
-        that a match too recent for a complete block still has a candidate), then its random tokens.
+    def block_proposals(self, blocks: Tensor) -> Tensor:
+        """(M, m * B) the tokens of every output's chosen blocks ``blocks`` (M, m) (first token of each,
+        -1: none), -1 where none; their type is content."""
+        tokens = blocks.unsqueeze(-1) + torch.arange(self.block_size, device=blocks.device)  # (M, m, B)
+        return torch.where(blocks.unsqueeze(-1) >= 0, tokens, -1).flatten(1)  # (M, m * B)
 
-        Args:
-            blocks (Tensor): (M, content_blocks) first token index of each chosen block (-1: none).
-            token_pos (Tensor): (M,) position of each output in its graph.
-            graph_start (Tensor): (M,) token index of its graph's first token.
-        """
-        sources = []
+    def position_proposals(self, token_pos: Tensor, graph_start: Tensor) -> tuple[Tensor, Tensor]:
+        """(M, P1) the proposals that depend only on an output's position ``token_pos`` (M,) in its graph
+        (whose first token is ``graph_start`` (M,)), -1: none, and their edge types: the tokens of its
+        own block up to itself (NSA's sliding window, so that a match too recent for a complete block
+        still has a candidate; type content), then its random tokens. A stream computes them once per
+        new token for every block."""
+        sources, num_content = [], 0
         if self.content_blocks:
-            offsets = torch.arange(self.block_size, device=blocks.device)
-            recent = (token_pos - token_pos % self.block_size).unsqueeze(1) + offsets  # (M, B) positions
-            recent = torch.where(recent <= token_pos.unsqueeze(1), recent + graph_start.unsqueeze(1), -1)
-            tokens = blocks.unsqueeze(-1) + offsets  # (M, m, B)
-            tokens = torch.where(blocks.unsqueeze(-1) >= 0, tokens, -1).flatten(1)  # (M, m * B)
-            sources += [tokens, recent]
-        num_content = sum(t.size(1) for t in sources)
+            recent = (token_pos - token_pos % self.block_size).unsqueeze(1) + torch.arange(
+                self.block_size, device=token_pos.device)  # (M, B) positions
+            sources.append(torch.where(recent <= token_pos.unsqueeze(1), recent + graph_start.unsqueeze(1), -1))
+            num_content = self.block_size
         if self.random_proposals:
             sources.append(random_proposals(token_pos, graph_start, self.random_proposals, self.seed))
-        sources = torch.cat(sources, 1) if sources else blocks.new_zeros(blocks.size(0), 0)
+        sources = torch.cat(sources, 1) if sources else token_pos.new_zeros(token_pos.size(0), 0)
         types = torch.full_like(sources, self.random_type)
         types[:, :num_content] = self.content_type
         return sources, types
@@ -526,8 +525,11 @@ class LearnedTopology(nn.Module):
         if self.content_blocks:
             blocks = content_blocks(q_out, k[inp.tokens], inp.token_pos, graph_start, self.block_size,
                                     self.content_blocks, self.random_scores)  # (num_out, m)
-        sources, types = self.proposals(blocks, inp.token_pos, graph_start)
+        far = self.block_proposals(blocks)  # (num_out, m * B)
+        near, near_types = self.position_proposals(inp.token_pos, graph_start)  # (num_out, P1)
+        sources = torch.cat([far, near], 1)  # (num_out, P0) token indices
         sources = torch.where(sources >= 0, sources + tok0, -1)
+        types = torch.cat([torch.full_like(far, self.content_type), near_types], 1)
         # Proposals first, rules (whose width depends on the whole batch) last: a candidate's column,
         # and so its rank among equal scores, never depends on other destinations.
         return torch.cat([sources, rule_sources], 1), torch.cat([types, rule_types], 1)
