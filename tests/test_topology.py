@@ -3,11 +3,13 @@ softmax weights with a "nothing" candidate, causal content and random proposals.
 import pytest
 import torch
 
+import sheafgnn.nn.pools as pools_module
 import sheafgnn.nn.segment as segment_module
 import sheafgnn.nn.topology as topology_module
 from sheafgnn.model import Extras, SheafStateLM, topology_input
+from sheafgnn.nn.pools import pool_dot, pool_read
 from sheafgnn.nn.segment import HAS_TORCH_SCATTER, HAS_TORCH_SPARSE
-from sheafgnn.nn.topology import LearnedTopology, content_blocks, pool_dot, pool_read, random_proposals, top_blocks
+from sheafgnn.nn.topology import LearnedTopology, content_blocks, random_proposals, top_blocks
 from sheafgnn.site import build_site
 from sheafgnn.site.flat import FLAT_TYPES, flatten_site
 from sheafgnn.site.schema import CONTENT_EDGE, GLUE_EDGES, RANDOM_EDGE
@@ -194,15 +196,21 @@ def test_top_blocks_masks_exactly_the_columns_out_of_range(seed, graphs):
     assert torch.equal(top_blocks(score.clone(), first, last, m, col0), expected)
 
 
-def test_pool_dot_equals_the_gathered_dot_products():
-    """pool_dot (keys gathered again in backward, their gradient an index_add) equals the plain gather-mul-sum in
-    value and gradients (gradcheck in float64), repeated sources included."""
+SPMM_PATHS = ["torch"] + (["torch_scatter"] if HAS_TORCH_SCATTER and HAS_TORCH_SPARSE else [])  # + torch-sparse
+
+
+@pytest.mark.parametrize("backend", SPMM_PATHS)
+def test_pool_dot_equals_the_gathered_dot_products(monkeypatch, backend):
+    """pool_dot (backward: the keys gathered again and an index_add, or two SpMMs) equals the plain
+    gather-mul-sum in value and gradients (gradcheck in float64), repeated sources included."""
+    monkeypatch.setattr(segment_module, "_backend", backend)
     torch.manual_seed(0)
     q = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
     k = torch.randn(9, 4, dtype=torch.float64, requires_grad=True)
-    sources = torch.randint(0, 3, (6, 5))  # many repeats: the index_add must accumulate
+    sources = torch.randint(0, 3, (6, 5))  # many repeats: the gradient of a key must accumulate
     torch.testing.assert_close(pool_dot(q, k, sources), (q.unsqueeze(1) * k[sources]).sum(-1))
     assert torch.autograd.gradcheck(lambda q, k: pool_dot(q, k, sources), (q, k))
+    assert torch.autograd.gradcheck(lambda k: pool_dot(q.detach(), k, sources), (k,))  # grad_k alone
     with pytest.raises(ValueError, match="pool_dot"):
         pool_dot(q, k, sources[:3])
 
@@ -217,7 +225,7 @@ def test_pool_read_equals_the_plain_weighted_sum(monkeypatch, backend, chunk):
     """pool_read (candidate states gathered in chunks, again in backward; or one SpMM) equals the plain
     weighted gather-sum in value and in the weights' gradient, and gives the states none; LearnedTopology's
     pool read through it matches the softmax-weighted sum in the scores' and the sink's gradients."""
-    monkeypatch.setattr(topology_module, "POOL_CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr(pools_module, "POOL_CHUNK_ELEMENTS", chunk)
     monkeypatch.setattr(segment_module, "_backend", backend)
     torch.manual_seed(0)
     x = torch.randn(20, 8, dtype=torch.float64, requires_grad=True)

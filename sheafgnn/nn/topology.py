@@ -47,7 +47,8 @@ import torch
 from torch import Tensor, nn
 from torch_geometric.utils import softmax as segment_softmax
 
-from sheafgnn.nn.segment import ptr_from_index, use_spmm
+from sheafgnn.nn.pools import pool_dot, pool_read
+from sheafgnn.nn.segment import ptr_from_index
 
 # Multipliers of the position hash (odd 31-bit constants; int64 products wrap).
 _HASH_MULTIPLIERS = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F)
@@ -237,108 +238,6 @@ def rule_pools(src: Tensor, dst: Tensor, edge_type: Tensor, num_dst: int) -> tup
     types = torch.zeros_like(sources)
     types[dst, slot] = edge_type
     return sources, types
-
-
-POOL_CHUNK_ELEMENTS = 1 << 20  # gathered candidate states per chunk of pool_read (4 MiB in float32)
-
-
-class _PoolRead(torch.autograd.Function):
-    """out = einsum('mp,mpd->md', weight, x[sources]); the gradient reaches ``weight`` only (``x`` is
-    read, not trained). Forward: torch-sparse's CSR SpMM where :func:`~sheafgnn.nn.segment.use_spmm`
-    (it never gathers the states), else the gather a chunk of rows at a time. Backward: the chunked
-    gather again, with an einsum per chunk (torch-sparse's value gradient runs on one thread: 2x slower
-    at 32k tokens on 2 threads)."""
-
-    @staticmethod
-    def forward(ctx, weight: Tensor, x: Tensor, sources: Tensor) -> Tensor:
-        ctx.save_for_backward(x, sources)
-        M, P = sources.shape
-        if use_spmm():
-            rowptr = torch.arange(0, M * P + 1, P, device=x.device)  # (M + 1,): rows of P entries
-            # detached: torch-sparse asks for its backward's index arrays whenever an input requires grad,
-            # also under no_grad (this backward is ours)
-            return torch.ops.torch_sparse.spmm_sum(None, rowptr, sources.flatten(), weight.detach().flatten(), None,
-                                                   None, x.detach())
-        rows = _pool_chunk(sources, x)
-        out = x.new_empty(M, x.size(1))  # (M, D)
-        for m0 in range(0, M, rows):
-            out[m0 : m0 + rows] = torch.einsum("mp,mpd->md", weight[m0 : m0 + rows], x[sources[m0 : m0 + rows]])
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        x, sources = ctx.saved_tensors
-        rows = _pool_chunk(sources, x)
-        grad_weight = torch.zeros(sources.shape, dtype=x.dtype, device=x.device)  # (M, P)
-        for m0 in range(0, sources.size(0), rows):
-            grad_weight[m0 : m0 + rows] = torch.einsum("md,mpd->mp", grad_out[m0 : m0 + rows],
-                                                       x[sources[m0 : m0 + rows]])
-        return grad_weight, None, None
-
-
-def _pool_chunk(sources: Tensor, x: Tensor) -> int:
-    return max(1, POOL_CHUNK_ELEMENTS // max(1, sources.size(1) * x.size(1)))
-
-
-def pool_read(weight: Tensor, x: Tensor, sources: Tensor) -> Tensor:
-    r"""The weighted read of dense pools, :math:`\mathbf{out}_m = \sum_p w_{mp} \mathbf{x}_{s_{mp}}`,
-    differentiable in ``weight`` only, with memory :math:`O(M P)` besides ``x``: the
-    :math:`(M, P, D)` candidate states are gathered a chunk of rows at a time, in forward and
-    again in backward (autograd would keep them all, ~1 GB per layer at 32k tokens).
-
-    Args:
-        weight (Tensor): (M, P) weights.
-        x (Tensor): (N, D) states (their gradient is not computed: pass them detached).
-        sources (Tensor): (M, P) indices into ``x``.
-
-    Returns:
-        (M, D); equal to ``(weight.unsqueeze(-1) * x[sources]).sum(1)`` up to float rounding. The
-        forward is one torch-sparse CSR SpMM (rows of ``P`` entries, values ``weight``) where
-        :func:`~sheafgnn.nn.segment.use_spmm` says so (:class:`_PoolRead`).
-    """
-    if weight.shape != sources.shape or x.dim() != 2:
-        raise ValueError(f"pool_read: expected weight and sources (M, P) and x (N, D) (got {tuple(weight.shape)}, "
-                         f"{tuple(sources.shape)}, {tuple(x.shape)})")
-    return _PoolRead.apply(weight, x, sources)
-
-
-class _PoolDot(torch.autograd.Function):
-    """dot[m, p] = <q_m, k_{s_mp}> as one bmm over the gathered keys, which are gathered again in backward."""
-
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, sources: Tensor) -> Tensor:
-        ctx.save_for_backward(q, k, sources)
-        return torch.bmm(k[sources], q.unsqueeze(2)).squeeze(2)  # (M, P)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        q, k, sources = ctx.saved_tensors
-        grad_q = torch.bmm(grad.unsqueeze(1), k[sources]).squeeze(1) if ctx.needs_input_grad[0] else None  # (M, r)
-        grad_k = None
-        if ctx.needs_input_grad[1]:  # scatter g_mp q_m to the sources: an index_add
-            per_candidate = (grad.unsqueeze(2) * q.unsqueeze(1)).flatten(0, 1)  # (M P, r)
-            grad_k = torch.zeros_like(k).index_add_(0, sources.flatten(), per_candidate)
-        return grad_q, grad_k, None
-
-
-def pool_dot(q: Tensor, k: Tensor, sources: Tensor) -> Tensor:
-    r"""The query-key dot products of dense pools, :math:`\mathrm{dot}_{mp} = \langle \mathbf{q}_m,
-    \mathbf{k}_{s_{mp}} \rangle`, differentiable in ``q`` and ``k``. Autograd keeps ``q``, ``k`` and
-    ``sources`` only: the :math:`(M, P, r)` gathered keys (a quarter of a GB per layer at 32k tokens) are
-    gathered again in backward.
-
-    Args:
-        q (Tensor): (M, r) queries.
-        k (Tensor): (N, r) keys.
-        sources (Tensor): (M, P) indices into ``k`` (no padding: clamp it first).
-
-    Returns:
-        (M, P); equal to ``(q.unsqueeze(1) * k[sources]).sum(-1)`` up to float rounding.
-    """
-    if q.dim() != 2 or k.dim() != 2 or sources.dim() != 2 or q.size(0) != sources.size(0) or q.size(1) != k.size(1):
-        raise ValueError(f"pool_dot: expected q (M, r), k (N, r) and sources (M, P) (got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(sources.shape)})")
-    return _PoolDot.apply(q, k, sources)
 
 
 @dataclass
