@@ -128,7 +128,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 8192, 16384, 32768, 65536])
-    parser.add_argument("--steps", type=int, default=16, help="timed sampling steps per point (default: 16)")
+    parser.add_argument("--steps", type=int, default=48, help="timed sampling steps per point (default: 48)")
     parser.add_argument("--batch", type=int, default=16, help="the batched streams (default: 16)")
     parser.add_argument("--batch-max", type=int, default=32768, help="largest n run at --batch (default: 32k)")
     parser.add_argument("--rebuild-sizes", type=int, nargs="+", default=[1024, 8192],
