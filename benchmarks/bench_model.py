@@ -27,7 +27,10 @@
    dense at the compare's matched sizes: training's own data pipeline (a site
    built per window by :class:`~sheafgnn.site.SiteBuilder`, the PyG
    ``DataLoader``) and :func:`~sheafgnn.train.train_step` (forward, backward,
-   clipping, AdamW), timed over ``--train-steps`` steps after a warm-up one.
+   clipping, AdamW), after a warm-up step each: the two models take turns,
+   ``--train-steps`` steps each per round for ``--train-rounds`` rounds (this
+   machine's speed drifts over minutes), and each model's figure is its best
+   round.
 
 Peak memory is the peak resident set of the process during the step minus
 the resident set before it (see :class:`sheafgnn.memory.PeakMemory`); the
@@ -213,21 +216,30 @@ def sheaf_vs_dense_fit(n: int, dense_times: dict[int, float], repeats: int) -> d
             "dense_over_sheaf": dense_s / sheaf["s"]}
 
 
-def train_throughput(context: int, batch_size: int, steps: int) -> dict:
-    """Training tokens/s of sheaf and dense at ``context``: sites built per window, PyG DataLoader, train_step."""
-    ids = corpus_ids(context * batch_size * (steps + 1) + 1)
-    out = {"context": context, "batch_size": batch_size, "steps": steps}
+def train_throughput(context: int, batch_size: int, steps: int, rounds: int) -> dict:
+    """Training tokens/s of sheaf and dense at ``context``: sites built per window, PyG DataLoader, train_step.
+    The two models take turns, ``steps`` steps each per round, for ``rounds`` rounds, so that both run under
+    the same drift of this machine's speed (10-20% over minutes); each model's figure is its best round."""
+    ids = corpus_ids(context * batch_size * (rounds * steps + 1) + 1)
+    out = {"context": context, "batch_size": batch_size, "steps": steps, "rounds": rounds}
+    runs = {}
     for kind in ("sheaf", "dense"):
         model, site = compare_model(kind)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-        windows = WindowDataset(ids, context, SiteBuilder(site))
-        batches = iter(DataLoader(windows, batch_size=batch_size))
+        batches = iter(DataLoader(WindowDataset(ids, context, SiteBuilder(site)), batch_size=batch_size))
         train_step(model, next(batches), optimizer, lr=1e-3, grad_clip=1.0)  # warm-up
-        start = time.perf_counter()
-        for _ in range(steps):
-            train_step(model, next(batches), optimizer, lr=1e-3, grad_clip=1.0)
-        out[f"{kind}_tokens_per_s"] = steps * batch_size * context / (time.perf_counter() - start)
-        print(f"  {kind:<6} {out[f'{kind}_tokens_per_s']:,.0f} training tokens/s", flush=True)
+        runs[kind] = (model, optimizer, batches)
+    rates = {kind: [] for kind in runs}
+    for _ in range(rounds):
+        for kind, (model, optimizer, batches) in runs.items():
+            start = time.perf_counter()
+            for _ in range(steps):
+                train_step(model, next(batches), optimizer, lr=1e-3, grad_clip=1.0)
+            rates[kind].append(steps * batch_size * context / (time.perf_counter() - start))
+    for kind, per_round in rates.items():
+        out[f"{kind}_tokens_per_s"], out[f"{kind}_tokens_per_s_rounds"] = max(per_round), per_round
+        print(f"  {kind:<6} {max(per_round):,.0f} training tokens/s (rounds: "
+              f"{', '.join(f'{r:,.0f}' for r in per_round)})", flush=True)
     out["sheaf_over_dense"] = out["sheaf_tokens_per_s"] / out["dense_tokens_per_s"]
     return out
 
@@ -343,7 +355,10 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: 2)")
-    parser.add_argument("--train-steps", type=int, default=20, help="timed training steps of step 7 (default: 20)")
+    parser.add_argument("--train-steps", type=int, default=10,
+                        help="timed training steps per model and round of step 7 (default: 10)")
+    parser.add_argument("--train-rounds", type=int, default=3,
+                        help="rounds of step 7, the models taking turns (default: 3)")
     parser.add_argument("--compare-n", type=int, default=32768, help="tokens of the sheaf vs dense step (default: 32k)")
     parser.add_argument("--untuned", action="store_true", help="step 1 only, with tune_cpu_allocator=False "
                         "(writes model_untuned.json)")
@@ -404,8 +419,9 @@ def main() -> None:
               f"{gluing[f'fused_{maps}_saved_bytes'] / 2**20:.0f} MiB saved; reference "
               f"{gluing[f'reference_{maps}_s']:.3f} s, {gluing[f'reference_{maps}_saved_bytes'] / 2**20:.0f} MiB saved")
 
-    print(f"7. training tokens/s at context 1024, batches of 4, {args.train_steps} steps")
-    training = train_throughput(1024, 4, args.train_steps)
+    print(f"7. training tokens/s at context 1024, batches of 4, {args.train_rounds} rounds of {args.train_steps} steps "
+          "per model, taking turns")
+    training = train_throughput(1024, 4, args.train_steps, args.train_rounds)
     print(f"  sheaf / dense: {training['sheaf_over_dense']:.2f}x (target >= 1)")
 
     result = {"machine": {"platform": platform.platform(), "threads": torch.get_num_threads(),
