@@ -391,9 +391,8 @@ def select_streamed(topology: LearnedTopology, h: Tensor, delta: StreamDelta,
     q_out = q[out0:]  # (M, r)
     sources, types = delta.output_pool
     if topology.content_blocks:
-        sources = torch.cat([_content_proposals(topology, q_out, delta, cache), sources], 1)
-        types = torch.cat([torch.full((q_out.size(0), sources.size(1) - types.size(1)), topology.content_type,
-                                      dtype=types.dtype, device=types.device), types], 1)
+        far, far_types = _content_proposals(topology, q_out, delta, cache)
+        sources, types = torch.cat([far, sources], 1), torch.cat([far_types, types], 1)
     valid = sources >= 0
     score = topology._score(pool_dot(q_out, cache.key.data, sources.clamp(min=0)), types)  # (M, P)
     sink = topology.sink[delta.node_type[out0:]].unsqueeze(1)  # (M, 1)
@@ -404,14 +403,16 @@ def select_streamed(topology: LearnedTopology, h: Tensor, delta: StreamDelta,
     return tuple(torch.cat([a, b]) for a, b in zip(patch_edges, output_edges))
 
 
-def _content_proposals(topology: LearnedTopology, q_out: Tensor, delta: StreamDelta, cache: LayerCache) -> Tensor:
-    """(M, content_blocks * B) cache rows of the tokens of every new output's chosen blocks (-1: none)."""
+def _content_proposals(topology: LearnedTopology, q_out: Tensor, delta: StreamDelta,
+                       cache: LayerCache) -> tuple[Tensor, Tensor]:
+    """(M, content_blocks * B) cache rows of the tokens of every new output's chosen blocks (-1: none),
+    and their edge types."""
     B = topology.block_size
     pos, stream = delta.token_pos, delta.token_stream  # (M,) each: output i sits at token i
     blocks = stream_blocks(q_out, stream, pos // B, cache.block_key.data, topology.content_blocks,
                            one_per_stream=pos.numel() == len(delta.token_streams))  # (M, m) block indices
-    tokens = topology.block_proposals(torch.where(blocks >= 0, blocks * B, -1))  # positions in each stream
-    return torch.where(tokens >= 0, delta.token_rows[tokens.clamp(min=0), stream.unsqueeze(1)], -1)
+    tokens, types = topology.block_proposals(torch.where(blocks >= 0, blocks * B, -1))  # positions per stream
+    return torch.where(tokens >= 0, delta.token_rows[tokens.clamp(min=0), stream.unsqueeze(1)], -1), types
 
 
 @torch.no_grad()

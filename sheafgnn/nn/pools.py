@@ -8,8 +8,9 @@ function that keeps the indices only::
     pool_read(weight, x, sources)   out_m = sum_p w_mp x_{s_mp}      gradient to the weights only
     pool_dot(q, k, sources)         dot_mp = <q_m, k_{s_mp}>          gradients to q and k
 
-Both run torch-sparse's CSR SpMM where :func:`~sheafgnn.nn.segment.use_spmm` (a pool is a CSR matrix
-with P entries per row), else chunked gathers; each is tested against its plain gather composition.
+Where :func:`~sheafgnn.nn.segment.use_spmm`, torch-sparse's CSR SpMM (a pool is a CSR matrix with P
+entries per row) runs ``pool_read``'s forward and ``pool_dot``'s backward; elsewhere they gather (in
+chunks of rows for ``pool_read``). Each is tested against its plain gather composition.
 """
 
 from __future__ import annotations
@@ -129,8 +130,8 @@ def _spmm_pool_dot_grads(grad: Tensor, q: Tensor, k: Tensor, sources: Tensor, ne
 def pool_dot(q: Tensor, k: Tensor, sources: Tensor) -> Tensor:
     r"""The query-key dot products of dense pools, :math:`\mathrm{dot}_{mp} = \langle \mathbf{q}_m,
     \mathbf{k}_{s_{mp}} \rangle`, differentiable in ``q`` and ``k``. Autograd keeps ``q``, ``k`` and
-    ``sources`` only: the :math:`(M, P, r)` gathered keys (a quarter of a GB per layer at 32k tokens) are
-    gathered again in backward.
+    ``sources`` only, not the :math:`(M, P, r)` gathered keys (a quarter of a GB per layer at 32k tokens):
+    backward runs two SpMMs where :func:`~sheafgnn.nn.segment.use_spmm`, else gathers the keys again.
 
     Args:
         q (Tensor): (M, r) queries.

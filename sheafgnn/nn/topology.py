@@ -378,11 +378,12 @@ class LearnedTopology(nn.Module):
         weight = torch.cat([top, sink], 1).softmax(1)[:, :-1]  # (M, k): -inf -> 0
         return top, pick, weight
 
-    def block_proposals(self, blocks: Tensor) -> Tensor:
+    def block_proposals(self, blocks: Tensor) -> tuple[Tensor, Tensor]:
         """(M, m * B) the tokens of every output's chosen blocks ``blocks`` (M, m) (first token of each,
-        -1: none), -1 where none; their type is content."""
+        -1: none), -1 where none, and their edge types (content)."""
         tokens = blocks.unsqueeze(-1) + torch.arange(self.block_size, device=blocks.device)  # (M, m, B)
-        return torch.where(blocks.unsqueeze(-1) >= 0, tokens, -1).flatten(1)  # (M, m * B)
+        tokens = torch.where(blocks.unsqueeze(-1) >= 0, tokens, -1).flatten(1)  # (M, m * B)
+        return tokens, torch.full_like(tokens, self.content_type)
 
     def position_proposals(self, token_pos: Tensor, graph_start: Tensor) -> tuple[Tensor, Tensor]:
         """(M, P1) the proposals that depend only on an output's position ``token_pos`` (M,) in its graph
@@ -424,11 +425,11 @@ class LearnedTopology(nn.Module):
         if self.content_blocks:
             blocks = content_blocks(q_out, k[inp.tokens], inp.token_pos, graph_start, self.block_size,
                                     self.content_blocks, self.random_scores)  # (num_out, m)
-        far = self.block_proposals(blocks)  # (num_out, m * B)
+        far, far_types = self.block_proposals(blocks)  # (num_out, m * B)
         near, near_types = self.position_proposals(inp.token_pos, graph_start)  # (num_out, P1)
         sources = torch.cat([far, near], 1)  # (num_out, P0) token indices
         sources = torch.where(sources >= 0, sources + tok0, -1)
-        types = torch.cat([torch.full_like(far, self.content_type), near_types], 1)
+        types = torch.cat([far_types, near_types], 1)
         # Proposals first, rules (whose width depends on the whole batch) last: a candidate's column,
         # and so its rank among equal scores, never depends on other destinations.
         return torch.cat([sources, rule_sources], 1), torch.cat([types, rule_types], 1)
