@@ -70,6 +70,7 @@ class Extras:
     candidates: bool = False  # every destination's whole pool with its scores (model.topology(candidates=True))
     energy: bool = False  # the per-edge gluing energy (model.topology)
     pool_read: bool = False  # the read of every output's whole pool (the pool-read loss, in training)
+    block_loss: bool = False  # the block scorer's distillation loss (in training)
 
 
 @dataclass
@@ -96,6 +97,9 @@ class SheafStateConfig(ConfigFile):
     # costs 15-25% of training speed and does not pay (ablation.md: -0.060 bits/byte with it off, seed noise 0.031);
     # the dependency tasks and the learned-topology study switch it on
     pool_loss_weight: float = 0.0
+    # the block scorer's distillation from the token scores (LearnedTopology.block_distillation; its only training
+    # signal: without it the content proposals' blocks are chosen by an untrained scorer)
+    block_loss_weight: float = 1.0
     balance_weight: float = 1e-2  # weight of the experts' load-balancing loss
     num_topics: int = 64  # topic ids embedded (ids wrap modulo this)
     gluing: bool = True  # False: Phi + token feed-forward only (the ssm ablation)
@@ -109,8 +113,9 @@ class SheafStateConfig(ConfigFile):
         if self.d_model % self.stalk_dim != 0:
             raise ValueError(f"SheafStateConfig: stalk_dim must divide d_model "
                              f"(got {self.stalk_dim} and {self.d_model})")
-        if self.pool_loss_weight < 0:
-            raise ValueError(f"SheafStateConfig: pool_loss_weight must be >= 0 (got {self.pool_loss_weight})")
+        if min(self.pool_loss_weight, self.block_loss_weight) < 0:
+            raise ValueError(f"SheafStateConfig: pool_loss_weight and block_loss_weight must be >= 0 "
+                             f"(got {self.pool_loss_weight} and {self.block_loss_weight})")
         if self.topology_k < 1 or self.proposal_block < 1 or min(self.content_blocks, self.random_proposals) < 0:
             raise ValueError(f"SheafStateConfig: need topology_k >= 1, proposal_block >= 1 and content_blocks, "
                              f"random_proposals >= 0 (got {self.topology_k}, {self.proposal_block}, "
@@ -179,7 +184,8 @@ class SheafBlock(nn.Module):
         # Output t reads token t: its state starts from the token's (the 'token reads output' edge).
         h = torch.cat([h_tok, h_chain, h_unchained, h_out + h_tok])  # (N, D)
 
-        chosen = self.topology(h, topology_input(site), extras.candidates, extras.pool_read)  # sorted by destination
+        chosen = self.topology(h, topology_input(site), extras.candidates, extras.pool_read,  # sorted by destination
+                               extras.block_loss)
         # The per-edge energy is for inspection: in training it would keep two (E, d, f) tensors for backward.
         glued = self.glue(h, chosen.edge_index, chosen.edge_type, chosen.weight, return_energy=extras.energy,
                           ptr=chosen.ptr)
@@ -337,19 +343,24 @@ class SheafStateLM(nn.Module):
     def loss(self, data: HeteroData) -> Tensor:
         """Mean next-token cross-entropy over ``data['token'].y`` plus the auxiliary losses: the experts'
         balance and, per block, the next-token loss of the output states plus that block's pool read
-        (:meth:`~sheafgnn.nn.topology.LearnedTopology._pool_read`; the states are detached, so this
-        loss trains the choice of edges, not the rest of the model)."""
+        (:meth:`~sheafgnn.nn.topology.LearnedTopology._pool_read`; the states it reads are detached, so
+        it trains the choice of edges, not the rest of the model) and the block scorer's distillation
+        loss (:meth:`~sheafgnn.nn.topology.LearnedTopology.block_distillation`)."""
         if "y" not in data["token"]:
             raise ValueError("SheafStateLM.loss: the site has no targets data['token'].y")
-        read_pools = self.training and self.config.pool_loss_weight > 0
-        h_out, infos, _ = self._forward(data, Extras(pool_read=read_pools))
+        c = self.config
+        extras = Extras(pool_read=self.training and c.pool_loss_weight > 0,
+                        block_loss=self.training and c.block_loss_weight > 0 and c.content_blocks > 0)
+        h_out, infos, _ = self._forward(data, extras)
         y = data["token"].y
         loss = self.readout_loss(h_out, y)
         for info in infos:
-            loss = loss + self.config.balance_weight * info["balance"]
-            pool_read = info["selection"].pool_read if "selection" in info else None
-            if pool_read is not None:
-                loss = loss + self.config.pool_loss_weight * self.readout_loss(h_out.detach() + pool_read, y)
+            loss = loss + c.balance_weight * info["balance"]
+            chosen = info.get("selection")
+            if chosen is not None and chosen.pool_read is not None:
+                loss = loss + c.pool_loss_weight * self.readout_loss(h_out.detach() + chosen.pool_read, y)
+            if chosen is not None and chosen.block_loss is not None:
+                loss = loss + c.block_loss_weight * chosen.block_loss
         return loss
 
     @torch.no_grad()

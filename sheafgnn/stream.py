@@ -103,6 +103,7 @@ class LayerCache:
 
     state: RowBuffer  # (rows, D) pre-gluing state of every non-output node of every stream
     key: RowBuffer  # (rows, r) its topology key
+    block_token_key: RowBuffer  # (rows, r) a token's key of the block scorer (undefined at other rows)
     block_key: RowBuffer  # (blocks, B, r) content-block summary of each stream's complete blocks
     token_ssm: SSMState  # (B, ...) the token chain's SSM state of every stream (zero: not started)
     chain_ssm: SSMState | None  # (len(CHAINED_TYPES) * B, ...) per chained type and stream: row type * B + stream
@@ -172,7 +173,7 @@ class SheafStream(TokenStream):
         D, dtype = model.config.d_model, model.token_embedding.weight.dtype
         rank = model.config.topology_rank
         self.caches = [LayerCache(RowBuffer((D,), dtype, device), RowBuffer((rank,), dtype, device),
-                                  RowBuffer((batch_size, rank), dtype, device),
+                                  RowBuffer((rank,), dtype, device), RowBuffer((batch_size, rank), dtype, device),
                                   block.phi_token.init_state(batch_size, device, dtype),
                                   block.phi_patch.init_state(len(CHAINED_TYPES) * batch_size, device, dtype)
                                   if block.gluing else None)
@@ -373,10 +374,13 @@ def select_streamed(topology: LearnedTopology, h: Tensor, delta: StreamDelta,
     key[tok] = key[tok] + topology.key_previous(previous)
     cache.key.extend(num_rows)
     cache.key.write(delta.rows, key)
+    if topology.content_blocks:
+        cache.block_token_key.extend(num_rows)
+        cache.block_token_key.write(delta.rows[tok], topology.block_key(h[tok]) + topology.block_key_previous(previous))
     if delta.new_blocks:
         cache.block_key.grow_to(max(start + members.size(0) for _, start, members in delta.new_blocks))
         for b, start, members in delta.new_blocks:
-            cache.block_key.data[start : start + members.size(0), b] = cache.key.data[members].mean(1)
+            cache.block_key.data[start : start + members.size(0), b] = cache.block_token_key.data[members].mean(1)
 
     # Non-output destinations: their rule candidates, edge by edge.
     out0 = delta.type_ptr[_OUTPUT]
@@ -391,7 +395,7 @@ def select_streamed(topology: LearnedTopology, h: Tensor, delta: StreamDelta,
     q_out = q[out0:]  # (M, r)
     sources, types = delta.output_pool
     if topology.content_blocks:
-        far, far_types = _content_proposals(topology, q_out, delta, cache)
+        far, far_types = _content_proposals(topology, topology.block_query(h[out0:]), delta, cache)
         sources, types = torch.cat([far, sources], 1), torch.cat([far_types, types], 1)
     valid = sources >= 0
     score = topology._score(pool_dot(q_out, cache.key.data, sources.clamp(min=0)), types)  # (M, P)
@@ -403,13 +407,13 @@ def select_streamed(topology: LearnedTopology, h: Tensor, delta: StreamDelta,
     return tuple(torch.cat([a, b]) for a, b in zip(patch_edges, output_edges))
 
 
-def _content_proposals(topology: LearnedTopology, q_out: Tensor, delta: StreamDelta,
+def _content_proposals(topology: LearnedTopology, block_query: Tensor, delta: StreamDelta,
                        cache: LayerCache) -> tuple[Tensor, Tensor]:
     """(M, content_blocks * B) cache rows of the tokens of every new output's chosen blocks (-1: none),
-    and their edge types."""
+    chosen by the outputs' ``block_query`` (M, r), and their edge types."""
     B = topology.block_size
     pos, stream = delta.token_pos, delta.token_stream  # (M,) each: output i sits at token i
-    blocks = stream_blocks(q_out, stream, pos // B, cache.block_key.data, topology.content_blocks,
+    blocks = stream_blocks(block_query, stream, pos // B, cache.block_key.data, topology.content_blocks,
                            one_per_stream=pos.numel() == len(delta.token_streams))  # (M, m) block indices
     tokens, types = topology.block_proposals(torch.where(blocks >= 0, blocks * B, -1))  # positions per stream
     return torch.where(tokens >= 0, delta.token_rows[tokens.clamp(min=0), stream.unsqueeze(1)], -1), types

@@ -148,14 +148,32 @@ def test_curve_and_summary_rows(tmp_path):
     mqar_sheaf = next(r for r in rows if r["task"] == "mqar" and r["model"] == "sheaf")
     assert mqar_sheaf == {"task": "mqar", "seq_len": 64, "train_len": 64, "pairs": 4, "vocab": 64, "model": "sheaf",
                           "hash_retrieval": False, "topology_rank": 16, "topology_k": 8, "content_blocks": 2,
-                          "proposal_block": 16, "pool_loss_weight": 1.0, "lr": config.lr,
-                          "accuracy": curve[-1]["accuracy"], "steps": 4,
+                          "proposal_block": 16, "pool_loss_weight": 1.0, "block_loss_weight": 1.0, "warmup": None,
+                          "lr": config.lr, "accuracy": curve[-1]["accuracy"], "steps": 4,
                           "tokens": 4 * 2 * 64, "seconds": mqar_sheaf["seconds"]}
     assert (tmp_path / "a" / "curves.png").stat().st_size > 0
     run_tasks(TasksConfig.quick(out_dir=str(tmp_path / "b"), steps=1, num_threads=1, tasks=("mqar",),
                                 models=("sheaf",), hash_retrieval=True, summary=str(summary)))
     rows = json.loads(summary.read_text())
     assert len(rows) == 7 and {r["hash_retrieval"] for r in rows if r["model"] == "sheaf"} == {True, False}
+
+
+def test_mqar_warmup_trains_the_shorter_task_first(tmp_path):
+    """mqar_warmup: every model trains (sequence, pairs, steps) of a shorter MQAR first; the summary
+    counts its steps, tokens and time in, and names it."""
+    config = TasksConfig.quick(out_dir=str(tmp_path), steps=2, num_threads=1, tasks=("mqar",), models=("sheaf", "ssm"),
+                               mqar_warmup=(32, 2, 3))
+    report = run_tasks(config)
+    for kind, m in report["tasks"]["mqar"]["models"].items():
+        assert 0.0 <= m["warmup"]["accuracy"] <= 1.0 and m["warmup"]["train_s"] > 0, kind
+    for row in report["summary"]:
+        m = report["tasks"]["mqar"]["models"][row["model"]]
+        assert row["warmup"] == [32, 2, 3] and row["steps"] == 2 + 3
+        assert row["tokens"] == (2 * 64 + 3 * 32) * 2
+        assert row["seconds"] == pytest.approx(m["train_s"] + m["warmup"]["train_s"])
+    for bad in ((32, 2), (32, 0, 3)):
+        with pytest.raises(ValueError, match="mqar_warmup"):
+            TasksConfig.quick(mqar_warmup=bad)
 
 
 def test_earlier_occurrences_counts_equal_ids_before_each_position():

@@ -9,7 +9,7 @@ import sheafgnn.nn.topology as topology_module
 from sheafgnn.model import Extras, SheafStateLM, topology_input
 from sheafgnn.nn.pools import pool_dot, pool_read
 from sheafgnn.nn.segment import HAS_TORCH_SCATTER, HAS_TORCH_SPARSE
-from sheafgnn.nn.topology import LearnedTopology, content_blocks, random_proposals, top_blocks
+from sheafgnn.nn.topology import LearnedTopology, TopologyInput, content_blocks, random_proposals, top_blocks
 from sheafgnn.site import build_site
 from sheafgnn.site.flat import FLAT_TYPES, flatten_site
 from sheafgnn.site.schema import CONTENT_EDGE, GLUE_EDGES, RANDOM_EDGE
@@ -252,9 +252,12 @@ def test_pool_read_equals_the_plain_weighted_sum(monkeypatch, backend, chunk):
         torch.testing.assert_close(a, b)
 
 
-def test_pool_read_trains_the_choice_in_training_only(full_config):
-    """The pool read (an auxiliary loss over every candidate) reaches the scores of candidates the
-    top-k did not keep; only the training loss asks for it, and it never changes the logits."""
+@pytest.mark.parametrize("weight_name, read_name, scorer", [("pool_loss_weight", "pool_read", "query"),
+                                                             ("block_loss_weight", "block_loss", "block_query")])
+def test_auxiliary_losses_train_the_choice_in_training_only(full_config, weight_name, read_name, scorer):
+    """The pool read (an auxiliary loss over every candidate) and the block scorer's distillation reach
+    scores the top-k passes no gradient to; only the training loss asks for them, and they never change
+    the logits."""
     torch.manual_seed(0)
     model = SheafStateLM(small_model_config(full_config, topology_k=1))
     data = build_site(PROSE, model.config.site_config)
@@ -262,16 +265,66 @@ def test_pool_read_trains_the_choice_in_training_only(full_config):
     with torch.no_grad():
         logits_train = model(data)
     sel, _ = _selection(model, data)  # eval mode
-    assert sel.pool_read is None
-    assert torch.allclose(model(data), logits_train)  # the pool read is not on the output path
+    assert getattr(sel, read_name) is None
+    assert torch.allclose(model(data), logits_train)  # the auxiliary loss is not on the output path
     model.train()
-    model.config.pool_loss_weight = 0.0
+    weight = getattr(model.blocks[0].topology, scorer).weight
+    setattr(model.config, weight_name, 0.0)
     model.loss(data).backward()
-    topo = model.blocks[0].topology
-    without = topo.query.weight.grad.clone()
+    without = torch.zeros_like(weight) if weight.grad is None else weight.grad.clone()
     model.zero_grad()
-    model.config.pool_loss_weight = 1.0
+    setattr(model.config, weight_name, 1.0)
     model.loss(data).backward()
-    assert not torch.allclose(topo.query.weight.grad, without)  # the pool read adds a gradient to the scores
-    with pytest.raises(ValueError, match="pool_loss_weight"):
-        small_model_config(full_config, pool_loss_weight=-1.0)
+    assert not torch.allclose(weight.grad, without)  # the auxiliary loss adds a gradient to the scorer
+    with pytest.raises(ValueError, match=weight_name):
+        small_model_config(full_config, **{weight_name: -1.0})
+
+
+def _token_input(lengths: list[int]) -> TopologyInput:
+    """A flat node order of tokens then outputs (output i reads token i) for graphs of ``lengths`` tokens;
+    only the parts :meth:`LearnedTopology._block_read` reads are real."""
+    n = sum(lengths)
+    position = torch.cat([torch.arange(m) for m in lengths])
+    graph_start = torch.cat([torch.full((m,), s) for m, s in zip(lengths, torch.tensor([0, *lengths]).cumsum(0))])
+    node_type = torch.cat([torch.zeros(n, dtype=torch.long), torch.full((n,), FLAT_TYPES.index("output"))])
+    empty = torch.zeros(2, 0, dtype=torch.long)
+    return TopologyInput(empty, empty[0], torch.zeros(2 * n + 1, dtype=torch.long), node_type, slice(0, n),
+                         slice(n, 2 * n), position, graph_start)
+
+
+def test_block_distillation_by_hand():
+    """The block scorer's loss: KL from the token competition's weights summed over each output's chosen
+    blocks (detached) to the block scores' softmax over them, weighted by the teacher's mass; its
+    gradient reaches the block scorer only."""
+    torch.manual_seed(0)
+    B, m, lengths = 4, 2, [13, 9]
+    inp, n = _token_input(lengths), sum(lengths)
+    topo = LearnedTopology(6, 3, len(FLAT_TYPES), k=2, rank=3, content_blocks=m, block_size=B).double()
+    x = torch.randn(2 * n, 6, dtype=torch.float64)
+    query, keys = topo.block_query(x[inp.outputs]), topo._block_keys(x, inp, topo._previous(x, inp))
+    blocks = content_blocks(query, keys, inp.token_pos, inp.token_graph_start, B, m)  # (n, m)
+    score = torch.randn(n, m * B + 3, dtype=torch.float64)
+    score[:, : m * B][blocks.repeat_interleave(B, 1) < 0] = float("-inf")  # no tokens where no block
+    score.requires_grad_()
+    sink = torch.randn(n, 1, dtype=torch.float64)
+    loss = topo.block_distillation(query, keys, inp, blocks, score, sink)
+
+    total = weights = 0.0
+    for v in range(n):
+        chosen = [int(b) for b in blocks[v] if b >= 0]
+        if len(chosen) < 2:
+            continue
+        token_weight = torch.cat([score[v], sink[v]]).softmax(0).detach()
+        teacher = torch.stack([token_weight[j * B : j * B + B].sum() for j in range(len(chosen))])
+        mass = teacher.sum()
+        student = torch.stack([query[v] @ keys[b : b + B].mean(0) for b in chosen]) / 3 ** 0.5
+        target = teacher / mass
+        total = total + mass * (target * (target.log() - student.log_softmax(0))).sum()
+        weights = weights + mass
+    assert weights > 0
+    torch.testing.assert_close(loss, total / weights)
+    params = (topo.block_query.weight, topo.block_key.weight, topo.block_key_previous.weight)
+    for a, b in zip(torch.autograd.grad(loss, params, retain_graph=True), torch.autograd.grad(total / weights, params)):
+        assert a.abs().sum() > 0
+        torch.testing.assert_close(a, b)
+    assert torch.autograd.grad(loss, score, allow_unused=True)[0] is None  # the teacher is detached

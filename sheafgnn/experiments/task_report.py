@@ -13,11 +13,13 @@ from sheafgnn.experiments.report import pyplot, write_json
 from sheafgnn.model import SheafStateConfig
 
 SUMMARY_KEY = ("task", "seq_len", "train_len", "pairs", "vocab", "model", "hash_retrieval", "topology_rank",
-               "topology_k", "content_blocks", "proposal_block", "pool_loss_weight", "lr", "steps")  # one row per key
+               "topology_k", "content_blocks", "proposal_block", "pool_loss_weight", "block_loss_weight", "warmup",
+               "lr", "steps")  # one row per key
 
 
 def _summary_key(row: dict) -> tuple:
-    return tuple(row[k] for k in SUMMARY_KEY)
+    # rows written before a key existed lack it: None (block_loss_weight: before the block scorer existed)
+    return tuple(str(row.get(k)) if isinstance(row.get(k), list) else row.get(k) for k in SUMMARY_KEY)
 
 
 def _summary_order(row: dict) -> tuple:
@@ -26,14 +28,16 @@ def _summary_order(row: dict) -> tuple:
 
 def summary_rows(report: dict) -> list[dict]:
     """One row per task, test length and model: ``task, seq_len, train_len, pairs, vocab, model,
-    hash_retrieval, topology_rank, topology_k, content_blocks, proposal_block, pool_loss_weight, lr,
-    accuracy, steps, tokens, seconds`` (``pairs``: MQAR only; ``hash_retrieval``: whether the sheaf
-    model's site had its hash retrieval rule, False for the models that read ids only;
-    ``topology_rank`` ... ``pool_loss_weight``: the sheaf model's topology and its training, None for
-    the others)."""
+    hash_retrieval, topology_rank, topology_k, content_blocks, proposal_block, pool_loss_weight,
+    block_loss_weight, warmup, lr, accuracy, steps, tokens, seconds`` (``pairs``: MQAR only;
+    ``hash_retrieval``: whether the sheaf model's site had its hash retrieval rule, False for the models
+    that read ids only; ``topology_rank`` ... ``block_loss_weight``: the sheaf model's topology and its
+    training, None for the others; ``warmup``: the MQAR curriculum's [sequence, pairs, steps] trained
+    first, None without; ``steps``, ``tokens`` and ``seconds`` count it in)."""
     cfg, rows = report["config"], []
     sheaf = {**SheafStateConfig().to_dict(), **cfg["sheaf"]}
-    topology = ("topology_rank", "topology_k", "content_blocks", "proposal_block", "pool_loss_weight")
+    topology = ("topology_rank", "topology_k", "content_blocks", "proposal_block", "pool_loss_weight",
+                "block_loss_weight")
     for task, r in report["tasks"].items():
         for kind, m in r["models"].items():
             for length, accuracy in m["accuracy"].items():
@@ -41,9 +45,17 @@ def summary_rows(report: dict) -> list[dict]:
                              "pairs": cfg["mqar_pairs"] if task == "mqar" else None, "vocab": r["vocab_size"],
                              "model": kind, "hash_retrieval": bool(cfg["hash_retrieval"]) and kind == "sheaf",
                              **{k: sheaf[k] if kind == "sheaf" else None for k in topology}, "lr": cfg["lr"],
-                             "accuracy": accuracy, "steps": cfg["steps"],
-                             "tokens": cfg["steps"] * cfg["batch_size"] * r["train_len"], "seconds": m["train_s"]})
+                             **_budget(cfg, task, r["train_len"], m), "accuracy": accuracy})
     return sorted(rows, key=_summary_order)
+
+
+def _budget(cfg: dict, task: str, train_len: int, m: dict) -> dict:
+    """warmup, steps, tokens and seconds of one model's training on one task, its curriculum included."""
+    warmup = list(cfg.get("mqar_warmup") or ()) if task == "mqar" else []
+    short_len, _, short_steps = warmup or (0, 0, 0)
+    return {"warmup": warmup or None, "steps": cfg["steps"] + short_steps,
+            "tokens": (cfg["steps"] * train_len + short_steps * short_len) * cfg["batch_size"],
+            "seconds": m["train_s"] + m.get("warmup", {}).get("train_s", 0.0)}
 
 
 def merge_summary(path: Path, rows: list[dict]) -> list[dict]:

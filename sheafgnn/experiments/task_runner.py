@@ -138,6 +138,8 @@ class TasksConfig(ConfigFile):
     mqar_seq_len: int = 256  # MQAR row length
     mqar_pairs: int = 16  # MQAR key-value pairs
     mqar_vocab: int = 512  # MQAR vocabulary
+    # (sequence, pairs, steps) of a shorter MQAR trained first, every model alike (a length curriculum); (): none
+    mqar_warmup: tuple[int, ...] = ()
     copy_seq_len: int = 256  # selective copying row length
     copy_tokens: int = 16  # data tokens to copy
     copy_vocab: int = 16  # selective copying vocabulary
@@ -167,6 +169,9 @@ class TasksConfig(ConfigFile):
                              f"(got {self.lr}, {self.weight_decay}, {self.grad_clip})")
         if not self.induction_test_lens or min(self.induction_test_lens) < 3:
             raise ValueError(f"TasksConfig: induction_test_lens must be lengths >= 3 (got {self.induction_test_lens})")
+        if self.mqar_warmup and (len(self.mqar_warmup) != 3 or min(self.mqar_warmup) < 1):
+            raise ValueError(f"TasksConfig: mqar_warmup must be () or (sequence, pairs, steps) of positive integers "
+                             f"(got {self.mqar_warmup})")
         SiteConfig.from_dict(self.sheaf_site)  # validate early
 
     @property
@@ -219,6 +224,15 @@ def task_specs(config: TasksConfig) -> dict[str, TaskSpec]:
     return {name: specs[name] for name in config.tasks}
 
 
+def warmup_spec(spec: TaskSpec, config: TasksConfig) -> tuple[TaskSpec, int] | None:
+    """The shorter task trained before ``spec`` and its steps (``mqar_warmup``), or None."""
+    if spec.name != "mqar" or not config.mqar_warmup:
+        return None
+    length, pairs, steps = config.mqar_warmup
+    vocab = spec.vocab_size
+    return TaskSpec("mqar", vocab, length, (length,), lambda b, n, g: mqar(b, n, pairs, vocab, g)), steps
+
+
 def to_sites(inputs: Tensor, targets: Tensor, site_config: SiteConfig, tokenizer: TaskTokenizer) -> Batch:
     """Rows of task ids (B, T) and their targets (B, T) -> a PyG ``Batch`` of B sites.
 
@@ -239,8 +253,9 @@ def to_sites(inputs: Tensor, targets: Tensor, site_config: SiteConfig, tokenizer
 
 
 def train_task(model: nn.Module, spec: TaskSpec, config: TasksConfig, site_config: SiteConfig,
-               desc: str = "") -> dict:
-    """Train ``model`` on fresh rows of ``spec`` (the same rows for every model: seeded by ``config.seed``).
+               desc: str = "", steps: int | None = None) -> dict:
+    """Train ``model`` for ``steps`` (default ``config.steps``) on fresh rows of ``spec`` (the same rows
+    for every model: seeded by ``config.seed``), warm-up + cosine over those steps.
 
     Returns:
         dict with ``train_loss`` (mean of the last quarter of steps), ``train_s``
@@ -251,19 +266,20 @@ def train_task(model: nn.Module, spec: TaskSpec, config: TasksConfig, site_confi
     device, tokenizer = resolve_device(config.device), TaskTokenizer(spec.vocab_size)
     generator = torch.Generator().manual_seed(config.seed)
     optimizer = torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.95))
-    warmup = min(config.warmup_steps, config.steps)
+    steps = config.steps if steps is None else steps
+    warmup = min(config.warmup_steps, steps)
     losses, curve, testing = [], [], 0.0
     model.train()
     start = time.perf_counter()
-    bar = tqdm(range(config.steps), desc=desc, disable=not config.progress, leave=False, dynamic_ncols=True)
+    bar = tqdm(range(steps), desc=desc, disable=not config.progress, leave=False, dynamic_ncols=True)
     for step in bar:
-        lr = cosine_lr(step, peak_lr=config.lr, total_steps=config.steps, warmup_steps=warmup, min_lr_ratio=0.1)
+        lr = cosine_lr(step, peak_lr=config.lr, total_steps=steps, warmup_steps=warmup, min_lr_ratio=0.1)
         x, y = spec.sample(config.batch_size, spec.train_len, generator)  # (B, T), (B, T)
         result = train_step(model, to_sites(x, y, site_config, tokenizer).to(device), optimizer, lr=lr,
                             grad_clip=config.grad_clip)
         losses.append(result.loss)
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
-        if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
+        if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < steps:
             tic = time.perf_counter()
             accuracy = evaluate(model, spec, spec.train_len, config.test_examples, config, site_config)["accuracy"]
             curve.append({"step": step + 1, "accuracy": accuracy, "loss": sum(losses[-config.eval_every:])
@@ -274,7 +290,7 @@ def train_task(model: nn.Module, spec: TaskSpec, config: TasksConfig, site_confi
     elapsed = time.perf_counter() - start - testing
     tail = losses[-max(1, len(losses) // 4):]
     return {"train_loss": sum(tail) / len(tail), "train_s": elapsed, "curve": curve,
-            "train_tokens_per_s": config.steps * config.batch_size * spec.train_len / max(elapsed, 1e-9)}
+            "train_tokens_per_s": steps * config.batch_size * spec.train_len / max(elapsed, 1e-9)}
 
 
 @torch.no_grad()
@@ -363,8 +379,15 @@ def run_task(spec: TaskSpec, config: TasksConfig) -> dict:
         site_config = SiteConfig.from_dict(site)
         torch.manual_seed(config.seed)
         model = build_model(kind, options[kind], spec.vocab_size, site).to(device)
-        result = {"params": counts[kind], "d_model": options[kind]["d_model"],
-                  **train_task(model, spec, config, site_config, desc=f"{spec.name} {kind}")}
+        result = {"params": counts[kind], "d_model": options[kind]["d_model"]}
+        warmup = warmup_spec(spec, config)
+        if warmup is not None:  # the shorter task first; its accuracy curve is kept apart
+            short, steps = warmup
+            result["warmup"] = train_task(model, short, config, site_config, f"{spec.name} {kind} @{short.train_len}",
+                                          steps)
+            result["warmup"]["accuracy"] = evaluate(model, short, short.train_len, config.test_examples, config,
+                                                    site_config)["accuracy"]
+        result.update(train_task(model, spec, config, site_config, desc=f"{spec.name} {kind}"))
         accuracy, scored, split = {}, {}, {}
         for length in tqdm(spec.test_lens, desc=f"test {kind}", disable=not config.progress, leave=False):
             examples = config.test_examples if length <= spec.train_len else config.induction_long_examples

@@ -11,8 +11,13 @@ would pass no gradient)::
                                          k_u = W_k x_u (+ W_k' x_{u-1} for a token u)
       rule proposals    the site's causal edges into v (chains, anchors, links, reads)
       content proposals the tokens of the `content_blocks` best complete blocks before v, and
-                        those of v's own block up to v (outputs only; block summary = mean of
-                        the block's keys, NSA / MoBA style; the own block is NSA's window)
+                        those of v's own block up to v (outputs only; the own block is NSA's window).
+                        Blocks are scored by a scorer of their own, <W_bq x_v, kbar_j> / sqrt(r),
+                        kbar_j the mean over the block of W_bk x_u + W_bk' x_{u-1} (NSA / MoBA
+                        style), trained by distillation from the token scores (DSA style,
+                        `LearnedTopology.block_distillation`): with the token keys' mean as the
+                        summary, the one match in a block drowned in its other tokens' scores
+                        (MQAR at 512 tokens: the chosen blocks held the answer for 69% of queries)
       random proposals  `random_proposals` past tokens, a seeded hash of v's position (outputs only)
     keep                the k best of the pool (all types together)
     weight              alpha_e = softmax([s_kept..., s_sink(type of v)])_e
@@ -36,6 +41,7 @@ rows so that memory stays O(n + chunk * n / B); at B = 16, r = 16 this is
 the same number of multiply-adds as an (n x n) attention score matrix of
 width 1, and it is measured in ``benchmarks/bench_model.py``. The chosen
 blocks and the own block give ``(content_blocks + 1) * B`` token candidates per output, O(n).
+The block scorer's projections cost O(n D r) and its distillation O(n * content_blocks * r).
 """
 
 from __future__ import annotations
@@ -252,6 +258,7 @@ class Selection:
     num_candidates: Tensor  # (num_edge_types,) candidates in the pools, per edge type
     candidates: tuple[Tensor, Tensor, Tensor] | None = None  # pools: (2, C) index, (C,) type, (C,) score
     pool_read: Tensor | None = None  # (num_outputs, D) soft read of every output's whole pool (when asked for)
+    block_loss: Tensor | None = None  # () the block scorer's distillation loss (when asked for)
 
 
 @dataclass
@@ -320,15 +327,20 @@ class LearnedTopology(nn.Module):
         self.query = nn.Linear(channels, rank, bias=False)
         self.key = nn.Linear(channels, rank, bias=False)
         self.key_previous = nn.Linear(channels, rank, bias=False)  # a token's key also sees the token before it
+        # The block scorer: its own query and keys (a block summary averages 16 token keys, so the token scorer's
+        # keys, free to score its losers anyhow, would drown the one match in the noise of the other 15)
+        self.block_query = nn.Linear(channels, rank, bias=False)
+        self.block_key = nn.Linear(channels, rank, bias=False)
+        self.block_key_previous = nn.Linear(channels, rank, bias=False)
         self.type_bias = nn.Parameter(torch.empty(num_edge_types))
         self.sink = nn.Parameter(torch.empty(num_node_types))
         self.random_scores = False  # the random-score ablation (evaluation only)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        self.query.reset_parameters()
-        self.key.reset_parameters()
-        self.key_previous.reset_parameters()
+        for linear in (self.query, self.key, self.key_previous, self.block_query, self.block_key,
+                       self.block_key_previous):
+            linear.reset_parameters()
         nn.init.zeros_(self.type_bias)
         nn.init.zeros_(self.sink)
 
@@ -414,16 +426,20 @@ class LearnedTopology(nn.Module):
         pool = (inp.rule_index[:, :stop], edge_type, score) if return_candidates else None
         return (src[keep], dst[keep], edge_type[keep], weight, score[keep]), pool, edge_type
 
-    def _output_pool(self, q_out: Tensor, k: Tensor, inp: TopologyInput) -> tuple[Tensor, Tensor]:
-        """(num_out, P) candidate sources of every output (-1: padding) and their edge types."""
-        num_out, out0, tok0 = q_out.size(0), inp.outputs.start, inp.tokens.start
+    def _output_pool(self, block_query: Tensor | None, block_keys: Tensor | None,
+                     inp: TopologyInput) -> tuple[Tensor, Tensor, Tensor]:
+        """(num_out, P) candidate sources of every output (-1: padding), their edge types, and the first
+        token of each output's chosen blocks (num_out, content_blocks) (-1: none; the first columns of
+        the pool hold their tokens), chosen by the block scorer's ``block_query`` (num_out, r) and
+        ``block_keys`` (num_tokens, r) (None without content proposals)."""
+        num_out, out0, tok0 = inp.outputs.stop - inp.outputs.start, inp.outputs.start, inp.tokens.start
         start = int(inp.rule_ptr[out0])
         src, dst = inp.rule_index[:, start:]
         rule_sources, rule_types = rule_pools(src, dst - out0, inp.rule_type[start:], num_out)
         graph_start = inp.token_graph_start - tok0
         blocks = torch.full((num_out, self.content_blocks), -1, dtype=torch.long, device=src.device)
         if self.content_blocks:
-            blocks = content_blocks(q_out, k[inp.tokens], inp.token_pos, graph_start, self.block_size,
+            blocks = content_blocks(block_query, block_keys, inp.token_pos, graph_start, self.block_size,
                                     self.content_blocks, self.random_scores)  # (num_out, m)
         far, far_types = self.block_proposals(blocks)  # (num_out, m * B)
         near, near_types = self.position_proposals(inp.token_pos, graph_start)  # (num_out, P1)
@@ -432,14 +448,18 @@ class LearnedTopology(nn.Module):
         types = torch.cat([far_types, near_types], 1)
         # Proposals first, rules (whose width depends on the whole batch) last: a candidate's column,
         # and so its rank among equal scores, never depends on other destinations.
-        return torch.cat([sources, rule_sources], 1), torch.cat([types, rule_types], 1)
+        return torch.cat([sources, rule_sources], 1), torch.cat([types, rule_types], 1), blocks
 
-    def _output_selection(self, x: Tensor, q: Tensor, k: Tensor, inp: TopologyInput, return_candidates: bool,
-                          return_pool_read: bool):
+    def _output_selection(self, x: Tensor, q: Tensor, k: Tensor, inp: TopologyInput, previous: Tensor,
+                          return_candidates: bool, return_pool_read: bool, return_block_loss: bool):
         """Every output's pool (rules, content, random) in one dense (num_out, P) competition."""
         out0 = inp.outputs.start
         q_out = q[inp.outputs]  # (num_out, r)
-        sources, types = self._output_pool(q_out, k, inp)  # (num_out, P) each
+        block_query = block_keys = None
+        if self.content_blocks:  # the block scorer; recorded for backward only for its distillation loss
+            with torch.set_grad_enabled(return_block_loss and torch.is_grad_enabled()):
+                block_query, block_keys = self.block_query(x[inp.outputs]), self._block_keys(x, inp, previous)
+        sources, types, blocks = self._output_pool(block_query, block_keys, inp)  # (num_out, P) each, (num_out, m)
         valid = sources >= 0
         score = self._score(pool_dot(q_out, k, sources.clamp(min=0)), types)  # (num_out, P)
         score = score.masked_fill(~valid, float("-inf"))
@@ -450,10 +470,13 @@ class LearnedTopology(nn.Module):
         src, edge_type = sources.gather(1, pick), types.gather(1, pick)
         kept_edges = (src[kept], dst.expand_as(top)[kept], edge_type[kept], weight[kept], top[kept])
         pool_read = self._pool_read(x, score, sink, sources) if return_pool_read else None
+        block_loss = None
+        if return_block_loss and self.content_blocks:
+            block_loss = self.block_distillation(block_query, block_keys, inp, blocks, score, sink)
         pool = None
         if return_candidates:
             pool = (torch.stack([sources[valid], dst.expand_as(sources)[valid]]), types[valid], score[valid])
-        return kept_edges, pool, types[valid], pool_read
+        return kept_edges, pool, types[valid], pool_read, block_loss
 
     def _pool_read(self, x: Tensor, score: Tensor, sink: Tensor, sources: Tensor) -> Tensor:
         r"""(num_out, D) the softmax-weighted read of every output's *whole* pool,
@@ -470,21 +493,71 @@ class LearnedTopology(nn.Module):
         weight = torch.cat([score, sink], 1).softmax(1)[:, :-1]  # (num_out, P): -inf (padding) -> 0
         return pool_read(weight, x.detach(), sources.clamp(min=0))  # (num_out, D); padding has weight 0
 
-    def _keys(self, x: Tensor, inp: TopologyInput) -> Tensor:
-        """(N, r) keys; a token's key adds the projection of the token before it (zero at a graph's start),
-        the previous-token feature that recall needs: the value after key K is found by matching K."""
-        k = self.key(x)  # (N, r)
+    def block_distillation(self, block_query: Tensor, block_keys: Tensor, inp: TopologyInput, blocks: Tensor,
+                           score: Tensor, sink: Tensor) -> Tensor:
+        r"""The block scorer's loss: KL from the token competition's choice among each output's chosen
+        blocks (a detached teacher, DSA style) to the block scores' softmax over the same blocks.
+
+        .. math::
+            t_{vj} \propto \sum_{u \in j} \mathrm{softmax}(\mathrm{sg}([s_{P(v)}, s_\varnothing]))_u, \qquad
+            \mathcal{L} = \frac{\sum_v m_v\, \mathrm{KL}(t_v \,\|\, \mathrm{softmax}_j \langle
+            \mathbf{W}_{bq} \mathbf{x}_v, \bar{\mathbf{k}}_j \rangle / \sqrt{r})}{\sum_v m_v},
+
+        over the blocks :math:`j` chosen for :math:`v`, where :math:`m_v` is the teacher's weight on all of
+        them (a destination whose token scores look elsewhere teaches little). The top-k of blocks passes
+        no gradient, so this is the block scorer's only training signal: it learns which blocks hold the
+        tokens the token scores pick, and ranks the blocks it has not chosen by the same features. Cost
+        O(n * content_blocks * r) on top of the pools.
+
+        Args:
+            block_query (Tensor): (num_out, r) the outputs' block queries.
+            block_keys (Tensor): (num_tokens, r) the tokens' block keys (:meth:`_block_keys`).
+            inp (TopologyInput): the site.
+            blocks (Tensor): (num_out, m) first token of each output's chosen blocks (-1: none); their
+                tokens are the first ``m * B`` columns of the pool.
+            score (Tensor): (num_out, P) the pool scores (-inf at padding).
+            sink (Tensor): (num_out, 1) the "nothing" logits.
+        """
+        M, m, B = blocks.shape[0], self.content_blocks, self.block_size
+        teacher = torch.cat([score, sink], 1).detach().softmax(1)[:, : m * B].reshape(M, m, B).sum(-1)  # (M, m)
+        mass = teacher.sum(1)  # (M,)
+        chosen = blocks >= 0
+        block_start, block_key = block_summaries(block_keys, inp.token_pos, inp.token_graph_start - inp.tokens.start, B)
+        if block_start.numel() == 0:
+            return score.new_zeros(())
+        index = torch.searchsorted(block_start, blocks.clamp(min=0)).clamp(max=block_start.numel() - 1)  # (M, m)
+        student = pool_dot(block_query, block_key, index) / math.sqrt(self.rank)  # (M, m)
+        log_student = student.masked_fill(~chosen, float("-inf")).log_softmax(1)
+        target = teacher / mass.clamp(min=1e-12).unsqueeze(1)
+        kl = torch.where(chosen & (target > 0), target * (target.clamp(min=1e-12).log() - log_student), 0.0).sum(1)
+        counted = chosen.sum(1) >= 2  # a softmax over one block is 1 whatever its score
+        weight = torch.where(counted, mass, 0.0)
+        return (weight * kl).sum() / weight.sum().clamp(min=1e-12)
+
+    @staticmethod
+    def _previous(x: Tensor, inp: TopologyInput) -> Tensor:
+        """(num_tokens, D) the state of the token before each token (zero at a graph's start)."""
         tokens = x[inp.tokens]  # (num_tokens, D)
         previous = torch.cat([tokens.new_zeros(1, tokens.size(1)), tokens[:-1]])  # (num_tokens, D)
-        previous = previous.masked_fill((inp.token_pos == 0).unsqueeze(1), 0.0)
+        return previous.masked_fill((inp.token_pos == 0).unsqueeze(1), 0.0)
+
+    def _keys(self, x: Tensor, inp: TopologyInput, previous: Tensor) -> Tensor:
+        """(N, r) keys; a token's key adds the projection of the token before it (``previous``), the
+        previous-token feature that recall needs: the value after key K is found by matching K."""
+        k = self.key(x)  # (N, r)
         return torch.cat([k[: inp.tokens.start], k[inp.tokens] + self.key_previous(previous), k[inp.tokens.stop :]])
 
+    def _block_keys(self, x: Tensor, inp: TopologyInput, previous: Tensor) -> Tensor:
+        """(num_tokens, r) the tokens' keys of the block scorer (a block summary is their mean)."""
+        return self.block_key(x[inp.tokens]) + self.block_key_previous(previous)
+
     def forward(self, x: Tensor, inp: TopologyInput, return_candidates: bool = False,
-                return_pool_read: bool = False) -> Selection:
-        q, k = self.query(x), self._keys(x, inp)  # (N, r) each
+                return_pool_read: bool = False, return_block_loss: bool = False) -> Selection:
+        previous = self._previous(x, inp)  # (num_tokens, D)
+        q, k = self.query(x), self._keys(x, inp, previous)  # (N, r) each
         patch, patch_pool, patch_types = self._patch_selection(q, k, inp, return_candidates)
-        output, output_pool, output_types, pool_read = self._output_selection(x, q, k, inp, return_candidates,
-                                                                              return_pool_read)
+        output, output_pool, output_types, pool_read, block_loss = self._output_selection(
+            x, q, k, inp, previous, return_candidates, return_pool_read, return_block_loss)
         src, dst, edge_type, weight, score = (torch.cat([a, b]) for a, b in zip(patch, output))
         ptr = ptr_from_index(dst, x.size(0))
         num_candidates = torch.bincount(torch.cat([patch_types, output_types]), minlength=self.num_edge_types)
@@ -492,7 +565,7 @@ class LearnedTopology(nn.Module):
         if return_candidates:
             candidates = tuple(torch.cat([a, b], -1) for a, b in zip(patch_pool, output_pool))
         return Selection(torch.stack([src, dst]), edge_type, weight, score, ptr, num_candidates, candidates,
-                         pool_read)
+                         pool_read, block_loss)
 
     def __repr__(self) -> str:
         return (f"{self.__class__.__name__}({self.channels}, num_edge_types={self.num_edge_types}, k={self.k}, "
