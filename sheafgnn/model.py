@@ -97,8 +97,10 @@ class SheafStateConfig(ConfigFile):
     # costs 15-25% of training speed and does not pay (ablation.md: -0.060 bits/byte with it off, seed noise 0.031);
     # the dependency tasks and the learned-topology study switch it on
     pool_loss_weight: float = 0.0
-    # the block scorer's distillation from the token scores (LearnedTopology.block_distillation; its only training
-    # signal: without it the content proposals' blocks are chosen by an untrained scorer)
+    # content blocks scored by a scorer of their own (LearnedTopology block_scorer), trained by distillation from the
+    # token scores with this weight (block_distillation: its only signal). Off by default: MQAR (128, 8) learned from
+    # session 9's initialisation without it, and from none of five runs with it (README)
+    block_scorer: bool = False
     block_loss_weight: float = 1.0
     balance_weight: float = 1e-2  # weight of the experts' load-balancing loss
     num_topics: int = 64  # topic ids embedded (ids wrap modulo this)
@@ -158,7 +160,8 @@ class SheafBlock(nn.Module):
         self.phi_patch = SelectiveSSM(D, **ssm_args)
         self.topology = LearnedTopology(D, len(GLUE_EDGES), len(FLAT_TYPES), config.topology_k,
                                         rank=config.topology_rank, content_blocks=config.content_blocks,
-                                        block_size=config.proposal_block, random_proposals=config.random_proposals)
+                                        block_size=config.proposal_block, random_proposals=config.random_proposals,
+                                        block_scorer=config.block_scorer)
         # The softmax weights of the selection already normalise each destination's messages.
         self.glue = SheafConv(D, config.stalk_dim, map_kind=config.map_kind, num_edge_types=len(GLUE_EDGES),
                               normalize="none")
@@ -350,7 +353,7 @@ class SheafStateLM(nn.Module):
             raise ValueError("SheafStateLM.loss: the site has no targets data['token'].y")
         c = self.config
         extras = Extras(pool_read=self.training and c.pool_loss_weight > 0,
-                        block_loss=self.training and c.block_loss_weight > 0 and c.content_blocks > 0)
+                        block_loss=self.training and c.block_scorer and c.block_loss_weight > 0 and c.content_blocks > 0)
         h_out, infos, _ = self._forward(data, extras)
         y = data["token"].y
         loss = self.readout_loss(h_out, y)

@@ -103,7 +103,7 @@ class LayerCache:
 
     state: RowBuffer  # (rows, D) pre-gluing state of every non-output node of every stream
     key: RowBuffer  # (rows, r) its topology key
-    block_token_key: RowBuffer  # (rows, r) a token's key of the block scorer (undefined at other rows)
+    block_token_key: RowBuffer  # (rows, r) a token's key of the block scorer, if any (undefined at other rows)
     block_key: RowBuffer  # (blocks, B, r) content-block summary of each stream's complete blocks
     token_ssm: SSMState  # (B, ...) the token chain's SSM state of every stream (zero: not started)
     chain_ssm: SSMState | None  # (len(CHAINED_TYPES) * B, ...) per chained type and stream: row type * B + stream
@@ -374,13 +374,15 @@ def select_streamed(topology: LearnedTopology, h: Tensor, delta: StreamDelta,
     key[tok] = key[tok] + topology.key_previous(previous)
     cache.key.extend(num_rows)
     cache.key.write(delta.rows, key)
-    if topology.content_blocks:
-        cache.block_token_key.extend(num_rows)
-        cache.block_token_key.write(delta.rows[tok], topology.block_key(h[tok]) + topology.block_key_previous(previous))
+    block_keys = cache.key
+    if topology.block_scorer:
+        block_keys = cache.block_token_key
+        block_keys.extend(num_rows)
+        block_keys.write(delta.rows[tok], topology.block_key(h[tok]) + topology.block_key_previous(previous))
     if delta.new_blocks:
         cache.block_key.grow_to(max(start + members.size(0) for _, start, members in delta.new_blocks))
         for b, start, members in delta.new_blocks:
-            cache.block_key.data[start : start + members.size(0), b] = cache.block_token_key.data[members].mean(1)
+            cache.block_key.data[start : start + members.size(0), b] = block_keys.data[members].mean(1)
 
     # Non-output destinations: their rule candidates, edge by edge.
     out0 = delta.type_ptr[_OUTPUT]
@@ -395,7 +397,8 @@ def select_streamed(topology: LearnedTopology, h: Tensor, delta: StreamDelta,
     q_out = q[out0:]  # (M, r)
     sources, types = delta.output_pool
     if topology.content_blocks:
-        far, far_types = _content_proposals(topology, topology.block_query(h[out0:]), delta, cache)
+        block_query = topology.block_query(h[out0:]) if topology.block_scorer else q_out
+        far, far_types = _content_proposals(topology, block_query, delta, cache)
         sources, types = torch.cat([far, sources], 1), torch.cat([far_types, types], 1)
     valid = sources >= 0
     score = topology._score(pool_dot(q_out, cache.key.data, sources.clamp(min=0)), types)  # (M, P)

@@ -39,9 +39,11 @@ def test_stream_equals_full_forward(full_config, text, chunk):
     torch.testing.assert_close(streamed, _full_logits(model, ids), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("map_kind,num_experts", [("orthogonal", 2), ("diag", 2), ("general", 1)])
-def test_stream_equals_full_forward_every_map_kind(full_config, map_kind, num_experts):
-    model = _model(full_config, map_kind=map_kind, num_experts=num_experts, proposal_block=4, content_blocks=3)
+@pytest.mark.parametrize("map_kind,num_experts,block_scorer", [("orthogonal", 2, False), ("diag", 2, True),
+                                                                ("general", 1, False)])
+def test_stream_equals_full_forward_every_map_kind(full_config, map_kind, num_experts, block_scorer):
+    model = _model(full_config, map_kind=map_kind, num_experts=num_experts, proposal_block=4, content_blocks=3,
+                   block_scorer=block_scorer)
     ids = torch.tensor(list((PROSE + CODE).encode()))[:300]
     streamed = _streamed(model.stream(), ids, 13)
     torch.testing.assert_close(streamed, _full_logits(model, ids), atol=1e-4, rtol=1e-4)

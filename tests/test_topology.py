@@ -169,7 +169,7 @@ def test_topology_input_and_repr(full_config):
     topo = model.blocks[0].topology
     assert isinstance(topo, LearnedTopology) and topo.sink.numel() == len(FLAT_TYPES)
     assert str(topo) == (f"LearnedTopology(32, num_edge_types={len(GLUE_EDGES)}, k=8, content_blocks=2, "
-                         "block_size=16, random_proposals=4)")
+                         "block_size=16, random_proposals=4, block_scorer=False)")
     with pytest.raises(ValueError, match="k, rank and block_size"):
         LearnedTopology(32, 3, 2, k=0)
 
@@ -259,7 +259,7 @@ def test_auxiliary_losses_train_the_choice_in_training_only(full_config, weight_
     scores the top-k passes no gradient to; only the training loss asks for them, and they never change
     the logits."""
     torch.manual_seed(0)
-    model = SheafStateLM(small_model_config(full_config, topology_k=1))
+    model = SheafStateLM(small_model_config(full_config, topology_k=1, block_scorer=True))
     data = build_site(PROSE, model.config.site_config)
     data["token"].y = torch.roll(data["token"].x, -1)
     with torch.no_grad():
@@ -299,7 +299,8 @@ def test_block_distillation_by_hand():
     torch.manual_seed(0)
     B, m, lengths = 4, 2, [13, 9]
     inp, n = _token_input(lengths), sum(lengths)
-    topo = LearnedTopology(6, 3, len(FLAT_TYPES), k=2, rank=3, content_blocks=m, block_size=B).double()
+    topo = LearnedTopology(6, 3, len(FLAT_TYPES), k=2, rank=3, content_blocks=m, block_size=B,
+                           block_scorer=True).double()
     x = torch.randn(2 * n, 6, dtype=torch.float64)
     query, keys = topo.block_query(x[inp.outputs]), topo._block_keys(x, inp, topo._previous(x, inp))
     blocks = content_blocks(query, keys, inp.token_pos, inp.token_graph_start, B, m)  # (n, m)

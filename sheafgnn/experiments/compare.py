@@ -130,7 +130,7 @@ class CompareConfig(ConfigFile):
     def quick(cls, **overrides) -> CompareConfig:
         """A toy preset that runs in seconds (tests, smoke checks)."""
         values = dict(context=64, batch_size=2, tokens=2 * 64 * 3, warmup_steps=1, eval_batches=1,
-                      inference_batches=1, d_model=32, n_layers=1, n_heads=2, window=16, sheaf={"headdim": 16},
+                      inference_batches=1, d_model=32, n_layers=1, n_heads=2, window=16,
                       site={"local_window": 8}, sweep=(128, 256), time_cap_s=30.0, progress=False)
         values.update(overrides)
         return cls(**values)

@@ -257,10 +257,11 @@ def learned_model_config(d_model: int = 32, n_layers: int = 2, topology_k: int =
     (content blocks, block size, random proposals, scorer rank) keep the config's defaults unless
     ``model_set`` (``KEY=VALUE`` assignments, :meth:`~sheafgnn.config.ConfigFile.with_overrides`)
     changes them, e.g. ``("pool_loss_weight=0",)``. The study trains the choice with the pool-read
-    loss (off in the default config), as the committed ``learned_topology.json`` was."""
+    loss and scores content blocks with the block scorer (both off in the default config), as the
+    committed ``learned_topology.json`` was."""
     site_config = site_config if site_config is not None else matched_site_config()
     return SheafStateConfig(d_model=d_model, n_layers=n_layers, stalk_dim=4, d_state=16, headdim=16,
-                            topology_k=topology_k, pool_loss_weight=1.0,
+                            topology_k=topology_k, pool_loss_weight=1.0, block_scorer=True,
                             site=site_config.to_dict()).with_overrides(model_set)
 
 
