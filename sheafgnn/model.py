@@ -353,7 +353,7 @@ class SheafStateLM(nn.Module):
             raise ValueError("SheafStateLM.loss: the site has no targets data['token'].y")
         c = self.config
         extras = Extras(pool_read=self.training and c.pool_loss_weight > 0,
-                        block_loss=self.training and c.block_scorer and c.block_loss_weight > 0 and c.content_blocks > 0)
+                        block_loss=self.training and c.block_scorer and c.block_loss_weight > 0)
         h_out, infos, _ = self._forward(data, extras)
         y = data["token"].y
         loss = self.readout_loss(h_out, y)

@@ -434,7 +434,8 @@ class LearnedTopology(nn.Module):
         pool = (inp.rule_index[:, :stop], edge_type, score) if return_candidates else None
         return (src[keep], dst[keep], edge_type[keep], weight, score[keep]), pool, edge_type
 
-    def _output_pool(self, block_query: Tensor, block_keys: Tensor, inp: TopologyInput) -> tuple[Tensor, Tensor, Tensor]:
+    def _output_pool(self, block_query: Tensor, block_keys: Tensor,
+                     inp: TopologyInput) -> tuple[Tensor, Tensor, Tensor]:
         """(num_out, P) candidate sources of every output (-1: padding), their edge types, and the first
         token of each output's chosen blocks (num_out, content_blocks) (-1: none; the first columns of
         the pool hold their tokens), chosen by ``block_query`` (num_out, r) against the means of
