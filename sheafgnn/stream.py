@@ -378,7 +378,7 @@ def select_streamed(topology: LearnedTopology, h: Tensor, delta: StreamDelta,
     if topology.block_scorer:
         block_keys = cache.block_token_key
         block_keys.extend(num_rows)
-        block_keys.write(delta.rows[tok], topology.block_key(h[tok]) + topology.block_key_previous(previous))
+        block_keys.write(delta.rows[tok], topology.block_token_keys(h[tok], previous))
     if delta.new_blocks:
         cache.block_key.grow_to(max(start + members.size(0) for _, start, members in delta.new_blocks))
         for b, start, members in delta.new_blocks:

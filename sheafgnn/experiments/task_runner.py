@@ -208,13 +208,17 @@ class TaskSpec:
     sample: Callable[[int, int, torch.Generator], tuple[Tensor, Tensor]]  # (rows, length, gen) -> (x, y) (B, T)
 
 
+def mqar_spec(seq_len: int, pairs: int, vocab: int) -> TaskSpec:
+    """MQAR trained and tested at ``seq_len`` with ``pairs`` key-value pairs over ``vocab`` ids."""
+    return TaskSpec("mqar", vocab, seq_len, (seq_len,), lambda b, n, g: mqar(b, n, pairs, vocab, g))
+
+
 def task_specs(config: TasksConfig) -> dict[str, TaskSpec]:
     """The configured tasks, each sampling rows from the unmodified generators of
     :mod:`sheafgnn.experiments.tasks`."""
     c = config
     specs = {
-        "mqar": TaskSpec("mqar", c.mqar_vocab, c.mqar_seq_len, (c.mqar_seq_len,),
-                         lambda b, n, g: mqar(b, n, c.mqar_pairs, c.mqar_vocab, g)),
+        "mqar": mqar_spec(c.mqar_seq_len, c.mqar_pairs, c.mqar_vocab),
         "selective_copying": TaskSpec("selective_copying", c.copy_vocab, c.copy_seq_len, (c.copy_seq_len,),
                                       lambda b, n, g: selective_copying(b, n, c.copy_tokens, c.copy_vocab, g)),
         "induction_heads": TaskSpec("induction_heads", c.induction_vocab, c.induction_train_len,
@@ -229,8 +233,7 @@ def warmup_spec(spec: TaskSpec, config: TasksConfig) -> tuple[TaskSpec, int] | N
     if spec.name != "mqar" or not config.mqar_warmup:
         return None
     length, pairs, steps = config.mqar_warmup
-    vocab = spec.vocab_size
-    return TaskSpec("mqar", vocab, length, (length,), lambda b, n, g: mqar(b, n, pairs, vocab, g)), steps
+    return mqar_spec(length, pairs, spec.vocab_size), steps
 
 
 def to_sites(inputs: Tensor, targets: Tensor, site_config: SiteConfig, tokenizer: TaskTokenizer) -> Batch:

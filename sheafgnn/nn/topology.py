@@ -466,7 +466,8 @@ class LearnedTopology(nn.Module):
         block_query, block_keys = q_out, k[inp.tokens]  # content_blocks detaches them
         if self.block_scorer:  # recorded for backward only for its distillation loss
             with torch.set_grad_enabled(return_block_loss and torch.is_grad_enabled()):
-                block_query, block_keys = self.block_query(x[inp.outputs]), self._block_keys(x, inp, previous)
+                block_query = self.block_query(x[inp.outputs])  # (num_out, r)
+                block_keys = self.block_token_keys(x[inp.tokens], previous)  # (num_tokens, r)
         sources, types, blocks = self._output_pool(block_query, block_keys, inp)  # (num_out, P) each, (num_out, m)
         valid = sources >= 0
         score = self._score(pool_dot(q_out, k, sources.clamp(min=0)), types)  # (num_out, P)
@@ -519,7 +520,7 @@ class LearnedTopology(nn.Module):
 
         Args:
             block_query (Tensor): (num_out, r) the outputs' block queries.
-            block_keys (Tensor): (num_tokens, r) the tokens' block keys (:meth:`_block_keys`).
+            block_keys (Tensor): (num_tokens, r) the tokens' block keys (:meth:`block_token_keys`).
             inp (TopologyInput): the site.
             blocks (Tensor): (num_out, m) first token of each output's chosen blocks (-1: none); their
                 tokens are the first ``m * B`` columns of the pool.
@@ -555,9 +556,10 @@ class LearnedTopology(nn.Module):
         k = self.key(x)  # (N, r)
         return torch.cat([k[: inp.tokens.start], k[inp.tokens] + self.key_previous(previous), k[inp.tokens.stop :]])
 
-    def _block_keys(self, x: Tensor, inp: TopologyInput, previous: Tensor) -> Tensor:
-        """(num_tokens, r) the tokens' keys of the block scorer (a block summary is their mean)."""
-        return self.block_key(x[inp.tokens]) + self.block_key_previous(previous)
+    def block_token_keys(self, tokens: Tensor, previous: Tensor) -> Tensor:
+        """(T, r) the block scorer's keys of tokens with states ``tokens`` (T, D), the token before each
+        ``previous`` (T, D) (a block summary is their mean); the full forward and the stream both call it."""
+        return self.block_key(tokens) + self.block_key_previous(previous)
 
     def forward(self, x: Tensor, inp: TopologyInput, return_candidates: bool = False,
                 return_pool_read: bool = False, return_block_loss: bool = False) -> Selection:
