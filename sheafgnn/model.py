@@ -56,7 +56,7 @@ from sheafgnn.nn.readout import readout_cross_entropy
 from sheafgnn.nn.segment import ptr_from_index, segment_mean
 from sheafgnn.nn.sheaf import SheafConv
 from sheafgnn.nn.ssm import SelectiveSSM
-from sheafgnn.nn.topology import LearnedTopology, Selection, TopologyInput
+from sheafgnn.nn.topology import BLOCK_SUMMARIES, LearnedTopology, Selection, TopologyInput
 from sheafgnn.site.builder import validate_site
 from sheafgnn.site.flat import FLAT_TYPES, FlatSite, flatten_site
 from sheafgnn.site.schema import GLUE_EDGES, NODE_TYPES, SiteConfig
@@ -102,6 +102,9 @@ class SheafStateConfig(ConfigFile):
     # session 9's initialisation without it, and from none of five runs with it (README)
     block_scorer: bool = False
     block_loss_weight: float = 1.0
+    # how a content block's token keys are summarised for its score: "mean" (NSA / MoBA) or "bounds" (Quest: the
+    # channel-wise max and min, an upper bound of the block's best token score; LearnedTopology, summarize_blocks)
+    block_summary: str = "mean"
     balance_weight: float = 1e-2  # weight of the experts' load-balancing loss
     num_topics: int = 64  # topic ids embedded (ids wrap modulo this)
     gluing: bool = True  # False: Phi + token feed-forward only (the ssm ablation)
@@ -122,6 +125,9 @@ class SheafStateConfig(ConfigFile):
             raise ValueError(f"SheafStateConfig: need topology_k >= 1, proposal_block >= 1 and content_blocks, "
                              f"random_proposals >= 0 (got {self.topology_k}, {self.proposal_block}, "
                              f"{self.content_blocks}, {self.random_proposals})")
+        if self.block_summary not in BLOCK_SUMMARIES:
+            raise ValueError(f"SheafStateConfig: block_summary must be one of {BLOCK_SUMMARIES} "
+                             f"(got {self.block_summary!r})")
         if self.n_layers < 1 or self.vocab_size < 2:
             raise ValueError(f"SheafStateConfig: need n_layers >= 1 and vocab_size >= 2 "
                              f"(got {self.n_layers} and {self.vocab_size})")
@@ -161,7 +167,7 @@ class SheafBlock(nn.Module):
         self.topology = LearnedTopology(D, len(GLUE_EDGES), len(FLAT_TYPES), config.topology_k,
                                         rank=config.topology_rank, content_blocks=config.content_blocks,
                                         block_size=config.proposal_block, random_proposals=config.random_proposals,
-                                        block_scorer=config.block_scorer)
+                                        block_scorer=config.block_scorer, block_summary=config.block_summary)
         # The softmax weights of the selection already normalise each destination's messages.
         self.glue = SheafConv(D, config.stalk_dim, map_kind=config.map_kind, num_edge_types=len(GLUE_EDGES),
                               normalize="none")

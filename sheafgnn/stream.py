@@ -46,7 +46,7 @@ from sheafgnn.generation import TokenStream
 from sheafgnn.nn.pools import pool_dot
 from sheafgnn.nn.segment import sort_by_destination
 from sheafgnn.nn.ssm import SSMState
-from sheafgnn.nn.topology import LearnedTopology, best_blocks, rule_pools, top_blocks
+from sheafgnn.nn.topology import LearnedTopology, best_blocks, rule_pools, summarize_blocks, summary_query, top_blocks
 from sheafgnn.site.flat import FLAT_TYPES, FlatBlocks
 from sheafgnn.site.schema import CANDIDATE_EDGES, CHAINED_TYPES, COVER_EDGES
 from sheafgnn.site.stream import SiteDelta, SiteStream
@@ -104,7 +104,7 @@ class LayerCache:
     state: RowBuffer  # (rows, D) pre-gluing state of every non-output node of every stream
     key: RowBuffer  # (rows, r) its topology key
     block_token_key: RowBuffer  # (rows, r) a token's key of the block scorer, if any (undefined at other rows)
-    block_key: RowBuffer  # (blocks, B, r) content-block summary of each stream's complete blocks
+    block_key: RowBuffer  # (blocks, B, r or 2r) content-block summary of each stream's complete blocks
     token_ssm: SSMState  # (B, ...) the token chain's SSM state of every stream (zero: not started)
     chain_ssm: SSMState | None  # (len(CHAINED_TYPES) * B, ...) per chained type and stream: row type * B + stream
 
@@ -172,8 +172,9 @@ class SheafStream(TokenStream):
         self.num_rows = 0
         D, dtype = model.config.d_model, model.token_embedding.weight.dtype
         rank = model.config.topology_rank
+        summary = 2 * rank if model.config.block_summary == "bounds" else rank  # width of summarize_blocks
         self.caches = [LayerCache(RowBuffer((D,), dtype, device), RowBuffer((rank,), dtype, device),
-                                  RowBuffer((rank,), dtype, device), RowBuffer((batch_size, rank), dtype, device),
+                                  RowBuffer((rank,), dtype, device), RowBuffer((batch_size, summary), dtype, device),
                                   block.phi_token.init_state(batch_size, device, dtype),
                                   block.phi_patch.init_state(len(CHAINED_TYPES) * batch_size, device, dtype)
                                   if block.gluing else None)
@@ -382,7 +383,8 @@ def select_streamed(topology: LearnedTopology, h: Tensor, delta: StreamDelta,
     if delta.new_blocks:
         cache.block_key.grow_to(max(start + members.size(0) for _, start, members in delta.new_blocks))
         for b, start, members in delta.new_blocks:
-            cache.block_key.data[start : start + members.size(0), b] = block_keys.data[members].mean(1)
+            cache.block_key.data[start : start + members.size(0), b] = summarize_blocks(block_keys.data[members],
+                                                                                         topology.block_summary)
 
     # Non-output destinations: their rule candidates, edge by edge.
     out0 = delta.type_ptr[_OUTPUT]
@@ -416,7 +418,8 @@ def _content_proposals(topology: LearnedTopology, block_query: Tensor, delta: St
     chosen by the outputs' ``block_query`` (M, r), and their edge types."""
     B = topology.block_size
     pos, stream = delta.token_pos, delta.token_stream  # (M,) each: output i sits at token i
-    blocks = stream_blocks(block_query, stream, pos // B, cache.block_key.data, topology.content_blocks,
+    blocks = stream_blocks(summary_query(block_query, topology.block_summary), stream, pos // B, cache.block_key.data,
+                           topology.content_blocks,
                            one_per_stream=pos.numel() == len(delta.token_streams))  # (M, m) block indices
     tokens, types = topology.block_proposals(torch.where(blocks >= 0, blocks * B, -1))  # positions per stream
     return torch.where(tokens >= 0, delta.token_rows[tokens.clamp(min=0), stream.unsqueeze(1)], -1), types
@@ -428,10 +431,10 @@ def stream_blocks(query: Tensor, stream: Tensor, last: Tensor, block_key: Tensor
     """For each query row, the ``num_blocks`` best of its stream's blocks ``j < last`` (as :func:`best_blocks`).
 
     Args:
-        query (Tensor): (M, r).
+        query (Tensor): (M, r'), as :func:`~sheafgnn.nn.topology.summary_query` gives it.
         stream (Tensor): (M,) stream of each row.
         last (Tensor): (M,) one past the last block each row may choose.
-        block_key (Tensor): (J, B, r) the summaries of every stream's complete blocks.
+        block_key (Tensor): (J, B, r') the summaries of every stream's complete blocks.
         num_blocks (int): blocks kept per row.
         one_per_stream (bool): each stream has at most one row (generation).
 

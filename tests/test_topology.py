@@ -9,7 +9,15 @@ import sheafgnn.nn.topology as topology_module
 from sheafgnn.model import Extras, SheafStateLM, topology_input
 from sheafgnn.nn.pools import pool_dot, pool_read
 from sheafgnn.nn.segment import HAS_TORCH_SCATTER, HAS_TORCH_SPARSE
-from sheafgnn.nn.topology import LearnedTopology, TopologyInput, content_blocks, random_proposals, top_blocks
+from sheafgnn.nn.topology import (
+    LearnedTopology,
+    TopologyInput,
+    content_blocks,
+    random_proposals,
+    summarize_blocks,
+    summary_query,
+    top_blocks,
+)
 from sheafgnn.site import build_site
 from sheafgnn.site.flat import FLAT_TYPES, flatten_site
 from sheafgnn.site.schema import CONTENT_EDGE, GLUE_EDGES, RANDOM_EDGE
@@ -122,14 +130,29 @@ def test_scores_are_on_the_gradient_path(full_config):
         assert p.grad is not None and p.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("text", [PROSE, CODE])
-def test_causal_with_content_proposals(text, full_config):
+@pytest.mark.parametrize("text,block_summary", [(PROSE, "mean"), (CODE, "mean"), (PROSE, "bounds")])
+def test_causal_with_content_proposals(text, block_summary, full_config):
     """Every patch type on, content proposals from small blocks so short texts have many."""
     torch.manual_seed(0)
-    model = SheafStateLM(small_model_config(full_config, proposal_block=4, content_blocks=3, num_experts=2))
+    model = SheafStateLM(small_model_config(full_config, proposal_block=4, content_blocks=3, num_experts=2,
+                                            block_summary=block_summary))
     sel, _ = _selection(model, build_site(text, model.config.site_config))
     assert (sel.edge_type == GLUE_EDGES.index(CONTENT_EDGE)).sum() > 0  # content edges are kept
     assert_logits_causal(model, text, trials=4)
+
+
+def test_block_bounds_bound_the_best_token_score():
+    """The "bounds" summary scores a block at least as high as its best token, and exactly that for a
+    block of one token; "mean" scores the mean of its tokens' scores."""
+    torch.manual_seed(0)
+    keys, query = torch.randn(50, 4, 8), torch.randn(7, 8)  # 50 blocks of 4 tokens, rank 8
+    best = torch.einsum("qr,jbr->qjb", query, keys).amax(-1)  # (7, 50)
+    bound = summary_query(query, "bounds") @ summarize_blocks(keys, "bounds").T
+    assert (bound >= best - 1e-5).all() and (bound > best + 1e-3).any()
+    single = summary_query(query, "bounds") @ summarize_blocks(keys[:, :1], "bounds").T
+    torch.testing.assert_close(single, query @ keys[:, 0].T)
+    mean = summary_query(query, "mean") @ summarize_blocks(keys, "mean").T
+    torch.testing.assert_close(mean, torch.einsum("qr,jbr->qjb", query, keys).mean(-1))
 
 
 def test_planted_future_proposal_is_caught(full_config, monkeypatch):
@@ -169,7 +192,9 @@ def test_topology_input_and_repr(full_config):
     topo = model.blocks[0].topology
     assert isinstance(topo, LearnedTopology) and topo.sink.numel() == len(FLAT_TYPES)
     assert str(topo) == (f"LearnedTopology(32, num_edge_types={len(GLUE_EDGES)}, k=8, content_blocks=2, "
-                         "block_size=16, random_proposals=4, block_scorer=False)")
+                         "block_size=16, random_proposals=4, block_scorer=False, block_summary='mean')")
+    with pytest.raises(ValueError, match="block_summary must be one of"):
+        LearnedTopology(32, 3, 2, k=1, block_summary="max")
     with pytest.raises(ValueError, match="k, rank and block_size"):
         LearnedTopology(32, 3, 2, k=0)
 

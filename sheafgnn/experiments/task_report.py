@@ -13,12 +13,12 @@ from sheafgnn.experiments.report import pyplot, write_json
 from sheafgnn.model import SheafStateConfig
 
 SUMMARY_KEY = ("task", "seq_len", "train_len", "pairs", "vocab", "model", "hash_retrieval", "topology_rank",
-               "topology_k", "content_blocks", "proposal_block", "pool_loss_weight", "block_scorer", "warmup",
-               "lr", "steps")  # one row per key
+               "topology_k", "content_blocks", "proposal_block", "pool_loss_weight", "block_scorer",
+               "block_summary", "warmup", "lr", "steps")  # one row per key
 
 
 def _summary_key(row: dict) -> tuple:
-    # rows written before a key existed lack it: None (block_scorer: before the block scorer existed)
+    # rows written before a key existed lack it: None (block_scorer, block_summary: before they existed)
     return tuple(str(row.get(k)) if isinstance(row.get(k), list) else row.get(k) for k in SUMMARY_KEY)
 
 
@@ -29,15 +29,15 @@ def _summary_order(row: dict) -> tuple:
 def summary_rows(report: dict) -> list[dict]:
     """One row per task, test length and model: ``task, seq_len, train_len, pairs, vocab, model,
     hash_retrieval, topology_rank, topology_k, content_blocks, proposal_block, pool_loss_weight,
-    block_scorer, warmup, lr, accuracy, steps, tokens, seconds`` (``pairs``: MQAR only;
+    block_scorer, block_summary, warmup, lr, accuracy, steps, tokens, seconds`` (``pairs``: MQAR only;
     ``hash_retrieval``: whether the sheaf model's site had its hash retrieval rule, False for the models
-    that read ids only; ``topology_rank`` ... ``block_scorer``: the sheaf model's topology and its
+    that read ids only; ``topology_rank`` ... ``block_summary``: the sheaf model's topology and its
     training, None for the others; ``warmup``: the MQAR curriculum's [sequence, pairs, steps] trained
     first, None without; ``steps``, ``tokens`` and ``seconds`` count it in)."""
     cfg, rows = report["config"], []
     sheaf = {**SheafStateConfig().to_dict(), **cfg["sheaf"]}
     topology = ("topology_rank", "topology_k", "content_blocks", "proposal_block", "pool_loss_weight",
-                "block_scorer")
+                "block_scorer", "block_summary")
     for task, r in report["tasks"].items():
         for kind, m in r["models"].items():
             for length, accuracy in m["accuracy"].items():

@@ -13,7 +13,9 @@ would pass no gradient)::
       content proposals the tokens of the `content_blocks` best complete blocks before v, and
                         those of v's own block up to v (outputs only; the own block is NSA's window).
                         A block is scored by <q_v, mean of the block's token keys> (NSA / MoBA
-                        style), or, with `block_scorer`, by a scorer of its own,
+                        style), with `block_summary="bounds"` by the upper bound of <q_v, k_u>
+                        over the block's tokens u from their channel-wise max and min (Quest),
+                        or, with `block_scorer`, by a scorer of its own,
                         <W_bq x_v, kbar_j> / sqrt(r), kbar_j the mean over the block of
                         W_bk x_u + W_bk' x_{u-1}, trained by distillation from the token scores
                         (DSA style, `LearnedTopology.block_distillation`)
@@ -58,6 +60,7 @@ from sheafgnn.nn.segment import ptr_from_index
 # Multipliers of the position hash (odd 31-bit constants; int64 products wrap).
 _HASH_MULTIPLIERS = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F)
 _SCORE_CHUNK = 1 << 22  # block scores held at once (rows x blocks) in content_blocks
+BLOCK_SUMMARIES = ("mean", "bounds")
 
 
 def topk_per_group(score: Tensor, group: Tensor, k: int) -> Tensor:
@@ -112,15 +115,37 @@ def random_proposals(position: Tensor, graph_start: Tensor, count: int, seed: in
     return graph_start.view(-1, 1) + x % (position.view(-1, 1) + 1)
 
 
+def summarize_blocks(member_keys: Tensor, kind: str = "mean") -> Tensor:
+    r"""The summary key of each block from its tokens' keys (..., B, r).
+
+    ``"mean"``: their mean (..., r), scored by :math:`\langle q, \bar{k} \rangle` (NSA, MoBA).
+    ``"bounds"``: the channel-wise max and min, :math:`[k^{\max}, k^{\min}]` (..., 2r), scored by
+    :func:`summary_query` as :math:`\sum_i \max(q_i k^{\max}_i, q_i k^{\min}_i) \ge \max_{u \in j}
+    \langle q, k_u \rangle` (Quest's criticality bound): a block holding one strong match scores at least
+    that match, where the mean divides it by B among the block's other tokens.
+    """
+    if kind == "mean":
+        return member_keys.mean(-2)
+    return torch.cat([member_keys.amax(-2), member_keys.amin(-2)], -1)
+
+
+def summary_query(query: Tensor, kind: str = "mean") -> Tensor:
+    """The query (M, r) that scores :func:`summarize_blocks`' summaries by a plain dot product: itself
+    for ``"mean"``, :math:`[q^+, q^-]` (M, 2r) (positive and negative parts) for ``"bounds"``."""
+    if kind == "mean":
+        return query
+    return torch.cat([query.clamp(min=0), query.clamp(max=0)], -1)
+
+
 def block_summaries(token_key: Tensor, position: Tensor, graph_start: Tensor,
-                    block_size: int) -> tuple[Tensor, Tensor]:
-    """The complete blocks of every graph and their summary keys (the mean of the block's token keys).
+                    block_size: int, kind: str = "mean") -> tuple[Tensor, Tensor]:
+    """The complete blocks of every graph and their summary keys (:func:`summarize_blocks` of ``kind``).
 
     Block ``j`` of a graph holds its positions ``[jB, jB + B)``; only complete blocks count.
 
     Returns:
         block_start (num_blocks,) global index of each block's first token (sorted), and
-        block_key (num_blocks, r).
+        block_key (num_blocks, r), or (num_blocks, 2r) for ``"bounds"``.
     """
     n, B = token_key.size(0), block_size
     index = torch.arange(n, device=token_key.device)
@@ -129,7 +154,7 @@ def block_summaries(token_key: Tensor, position: Tensor, graph_start: Tensor,
     complete &= graph_start[end.clamp(max=n - 1)] == graph_start
     block_start = index[complete]  # (num_blocks,)
     members = block_start.unsqueeze(1) + torch.arange(B, device=token_key.device)  # (num_blocks, B)
-    return block_start, token_key[members].mean(1)  # (num_blocks, r)
+    return block_start, summarize_blocks(token_key[members], kind)  # (num_blocks, r or 2r)
 
 
 @torch.no_grad()
@@ -141,8 +166,8 @@ def best_blocks(query: Tensor, block_key: Tensor, block_start: Tensor, first: Te
     the choice is detached (no gradient passes a hard top-k).
 
     Args:
-        query (Tensor): (M, r).
-        block_key (Tensor): (num_all_blocks, r) block summaries, in block order.
+        query (Tensor): (M, r'), as :func:`summary_query` gives it.
+        block_key (Tensor): (num_all_blocks, r') block summaries, in block order.
         block_start (Tensor): (num_all_blocks,) index of each block's first token.
         first (Tensor): (M,) first block each row may choose.
         last (Tensor): (M,) one past the last block each row may choose.
@@ -194,12 +219,13 @@ def top_blocks(score: Tensor, first: Tensor, last: Tensor, num_blocks: int, col0
 
 
 def content_blocks(query: Tensor, token_key: Tensor, position: Tensor, graph_start: Tensor,
-                   block_size: int, num_blocks: int, random_scores: bool = False) -> Tensor:
+                   block_size: int, num_blocks: int, random_scores: bool = False, summary: str = "mean") -> Tensor:
     r"""The ``num_blocks`` best complete blocks before each destination (NSA / MoBA-style proposals).
 
     Tokens are cut into blocks of ``block_size`` per graph (:func:`block_summaries`).
     Destination ``m`` at position ``p`` scores the blocks with ``jB + B <= p`` by
-    ``<q_m, k_block>`` and takes the best ones (:func:`best_blocks`). The block
+    ``<q_m, k_block>`` (``summary``: :func:`summarize_blocks`) and takes the best ones
+    (:func:`best_blocks`). The block
     summaries share ``W_k`` with the token scores, so they sharpen as the
     token-level competition learns.
 
@@ -211,15 +237,17 @@ def content_blocks(query: Tensor, token_key: Tensor, position: Tensor, graph_sta
         block_size (int): B.
         num_blocks (int): blocks kept per destination.
         random_scores (bool, optional): rank blocks by seeded noise instead. (default: :obj:`False`)
+        summary (str, optional): ``"mean"`` or ``"bounds"`` (:func:`summarize_blocks`). (default: :obj:`"mean"`)
 
     Returns:
         (M, num_blocks) global index of each chosen block's first token, -1 where fewer
         blocks qualify.
     """
-    block_start, block_key = block_summaries(token_key.detach(), position, graph_start, block_size)
+    block_start, block_key = block_summaries(token_key.detach(), position, graph_start, block_size, summary)
     first = torch.searchsorted(block_start, graph_start)  # (n,) first block of the row's graph
     last = first + position // block_size  # (n,) one past the last qualifying block
-    return best_blocks(query.detach(), block_key, block_start, first, last, num_blocks, random_scores)
+    return best_blocks(summary_query(query.detach(), summary), block_key, block_start, first, last, num_blocks,
+                       random_scores)
 
 
 def rule_pools(src: Tensor, dst: Tensor, edge_type: Tensor, num_dst: int) -> tuple[Tensor, Tensor]:
@@ -305,8 +333,10 @@ class LearnedTopology(nn.Module):
         random_proposals (int, optional): random past tokens proposed per output. (default: :obj:`4`)
         seed (int, optional): seed of the random proposals. (default: :obj:`0`)
         block_scorer (bool, optional): score content blocks with a query and keys of their own, trained
-            by :meth:`block_distillation`, instead of the token scorer's query against the mean of its
+            by :meth:`block_distillation`, instead of the token scorer's query against the summary of its
             keys. (default: :obj:`False`)
+        block_summary (str, optional): how a block's token keys are summarised for its score,
+            :obj:`"mean"` or :obj:`"bounds"` (:func:`summarize_blocks`). (default: :obj:`"mean"`)
 
     Shapes:
         - **input:** node features :math:`(N, D)`, a :class:`TopologyInput`
@@ -315,16 +345,18 @@ class LearnedTopology(nn.Module):
 
     def __init__(self, channels: int, num_edge_types: int, num_node_types: int, k: int, rank: int = 16,
                  content_blocks: int = 2, block_size: int = 16, random_proposals: int = 4, seed: int = 0,
-                 block_scorer: bool = False) -> None:
+                 block_scorer: bool = False, block_summary: str = "mean") -> None:
         super().__init__()
         name = self.__class__.__name__
+        if block_summary not in BLOCK_SUMMARIES:
+            raise ValueError(f"{name}: block_summary must be one of {BLOCK_SUMMARIES} (got {block_summary!r})")
         if k < 1 or rank < 1 or block_size < 1:
             raise ValueError(f"{name}: k, rank and block_size must be >= 1 (got {k}, {rank}, {block_size})")
         if content_blocks < 0 or random_proposals < 0:
             raise ValueError(f"{name}: content_blocks and random_proposals must be >= 0 "
                              f"(got {content_blocks} and {random_proposals})")
         self.channels, self.num_edge_types, self.k, self.rank = channels, num_edge_types, k, rank
-        self.content_blocks, self.block_size = content_blocks, block_size
+        self.content_blocks, self.block_size, self.block_summary = content_blocks, block_size, block_summary
         self.random_proposals, self.seed = random_proposals, seed
         self.content_type, self.random_type = num_edge_types - 2, num_edge_types - 1
         self.query = nn.Linear(channels, rank, bias=False)
@@ -438,7 +470,7 @@ class LearnedTopology(nn.Module):
                      inp: TopologyInput) -> tuple[Tensor, Tensor, Tensor]:
         """(num_out, P) candidate sources of every output (-1: padding), their edge types, and the first
         token of each output's chosen blocks (num_out, content_blocks) (-1: none; the first columns of
-        the pool hold their tokens), chosen by ``block_query`` (num_out, r) against the means of
+        the pool hold their tokens), chosen by ``block_query`` (num_out, r) against the summaries of
         ``block_keys`` (num_tokens, r)."""
         num_out, out0, tok0 = inp.outputs.stop - inp.outputs.start, inp.outputs.start, inp.tokens.start
         start = int(inp.rule_ptr[out0])
@@ -448,7 +480,7 @@ class LearnedTopology(nn.Module):
         blocks = torch.full((num_out, self.content_blocks), -1, dtype=torch.long, device=src.device)
         if self.content_blocks:
             blocks = content_blocks(block_query, block_keys, inp.token_pos, graph_start, self.block_size,
-                                    self.content_blocks, self.random_scores)  # (num_out, m)
+                                    self.content_blocks, self.random_scores, self.block_summary)  # (num_out, m)
         far, far_types = self.block_proposals(blocks)  # (num_out, m * B)
         near, near_types = self.position_proposals(inp.token_pos, graph_start)  # (num_out, P1)
         sources = torch.cat([far, near], 1)  # (num_out, P0) token indices
@@ -531,11 +563,12 @@ class LearnedTopology(nn.Module):
         teacher = torch.cat([score, sink], 1).detach().softmax(1)[:, : m * B].reshape(M, m, B).sum(-1)  # (M, m)
         mass = teacher.sum(1)  # (M,)
         chosen = blocks >= 0
-        block_start, block_key = block_summaries(block_keys, inp.token_pos, inp.token_graph_start - inp.tokens.start, B)
+        block_start, block_key = block_summaries(block_keys, inp.token_pos, inp.token_graph_start - inp.tokens.start, B,
+                                                 self.block_summary)
         if block_start.numel() == 0:
             return score.new_zeros(())
         index = torch.searchsorted(block_start, blocks.clamp(min=0)).clamp(max=block_start.numel() - 1)  # (M, m)
-        student = pool_dot(block_query, block_key, index) / math.sqrt(self.rank)  # (M, m)
+        student = pool_dot(summary_query(block_query, self.block_summary), block_key, index) / math.sqrt(self.rank)
         log_student = student.masked_fill(~chosen, float("-inf")).log_softmax(1)
         target = teacher / mass.clamp(min=1e-12).unsqueeze(1)
         kl = torch.where(chosen & (target > 0), target * (target.clamp(min=1e-12).log() - log_student), 0.0).sum(1)
@@ -580,4 +613,5 @@ class LearnedTopology(nn.Module):
     def __repr__(self) -> str:
         return (f"{self.__class__.__name__}({self.channels}, num_edge_types={self.num_edge_types}, k={self.k}, "
                 f"content_blocks={self.content_blocks}, block_size={self.block_size}, "
-                f"random_proposals={self.random_proposals}, block_scorer={self.block_scorer})")
+                f"random_proposals={self.random_proposals}, block_scorer={self.block_scorer}, "
+                f"block_summary={self.block_summary!r})")
