@@ -8,7 +8,7 @@
 3. The segment-reduction backends: torch-scatter's ``segment_csr`` against
    the pure-PyTorch fallback.
 4. The learned topology's content proposals alone
-   (:func:`~sheafgnn.nn.topology.content_blocks`: every output scores the
+   (:func:`~sheafgnn.nn.proposals.content_blocks`: every output scores the
    complete blocks before it, O(n^2 r / B)) at each n, and their share of
    the step.
 5. Sheaf against dense at 32k tokens in the same run, at the compare's
@@ -70,9 +70,9 @@ from sheafgnn.lm import build_model, matched_options
 from sheafgnn.memory import PeakMemory, keep_freed_memory
 from sheafgnn.model import SheafStateConfig, SheafStateLM
 from sheafgnn.nn.gluing import transport_sum, transport_sum_reference
+from sheafgnn.nn.proposals import content_blocks
 from sheafgnn.nn.segment import HAS_TORCH_SCATTER, segment_sum, sort_by_destination, use_backend
 from sheafgnn.nn.sheaf import SheafConv
-from sheafgnn.nn.topology import content_blocks
 from sheafgnn.site import SiteBuilder, SiteConfig, build_site
 from sheafgnn.train import train_step
 

@@ -51,12 +51,13 @@ from torch_geometric.data import HeteroData
 from sheafgnn.config import ConfigFile
 from sheafgnn.memory import keep_freed_memory
 from sheafgnn.nn.experts import PatchExperts
+from sheafgnn.nn.proposals import BLOCK_SUMMARIES
 from sheafgnn.nn.quant import apply_quant, validate_quant
 from sheafgnn.nn.readout import readout_cross_entropy
 from sheafgnn.nn.segment import ptr_from_index, segment_mean
 from sheafgnn.nn.sheaf import SheafConv
 from sheafgnn.nn.ssm import SelectiveSSM
-from sheafgnn.nn.topology import BLOCK_SUMMARIES, LearnedTopology, Selection, TopologyInput
+from sheafgnn.nn.topology import LearnedTopology, Selection, TopologyInput
 from sheafgnn.site.builder import validate_site
 from sheafgnn.site.flat import FLAT_TYPES, FlatSite, flatten_site
 from sheafgnn.site.schema import GLUE_EDGES, NODE_TYPES, SiteConfig

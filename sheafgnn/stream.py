@@ -44,9 +44,10 @@ from torch import Tensor
 
 from sheafgnn.generation import TokenStream
 from sheafgnn.nn.pools import pool_dot
+from sheafgnn.nn.proposals import best_blocks, summarize_blocks, summary_query, top_blocks
 from sheafgnn.nn.segment import sort_by_destination
 from sheafgnn.nn.ssm import SSMState
-from sheafgnn.nn.topology import LearnedTopology, best_blocks, rule_pools, summarize_blocks, summary_query, top_blocks
+from sheafgnn.nn.topology import LearnedTopology, rule_pools
 from sheafgnn.site.flat import FLAT_TYPES, FlatBlocks
 from sheafgnn.site.schema import CANDIDATE_EDGES, CHAINED_TYPES, COVER_EDGES
 from sheafgnn.site.stream import SiteDelta, SiteStream

@@ -8,16 +8,9 @@ import sheafgnn.nn.segment as segment_module
 import sheafgnn.nn.topology as topology_module
 from sheafgnn.model import Extras, SheafStateLM, topology_input
 from sheafgnn.nn.pools import pool_dot, pool_read
+from sheafgnn.nn.proposals import content_blocks, random_proposals, summarize_blocks, summary_query, top_blocks
 from sheafgnn.nn.segment import HAS_TORCH_SCATTER, HAS_TORCH_SPARSE
-from sheafgnn.nn.topology import (
-    LearnedTopology,
-    TopologyInput,
-    content_blocks,
-    random_proposals,
-    summarize_blocks,
-    summary_query,
-    top_blocks,
-)
+from sheafgnn.nn.topology import LearnedTopology, TopologyInput
 from sheafgnn.site import build_site
 from sheafgnn.site.flat import FLAT_TYPES, flatten_site
 from sheafgnn.site.schema import CONTENT_EDGE, GLUE_EDGES, RANDOM_EDGE
