@@ -160,14 +160,19 @@ def test_curve_and_summary_rows(tmp_path):
 
 def test_mqar_warmup_trains_the_shorter_task_first(tmp_path):
     """mqar_warmup: every model trains (sequence, pairs, steps) of a shorter MQAR first; the summary
-    counts its steps, tokens and time in, and names it."""
+    counts its steps, tokens and time in, names it, and scores the final model on the warm-up task too."""
     config = TasksConfig.quick(out_dir=str(tmp_path), steps=2, num_threads=1, tasks=("mqar",), models=("sheaf", "ssm"),
                                mqar_warmup=(32, 2, 3))
     report = run_tasks(config)
     for kind, m in report["tasks"]["mqar"]["models"].items():
         assert 0.0 <= m["warmup"]["accuracy"] <= 1.0 and m["warmup"]["train_s"] > 0, kind
+        assert 0.0 <= m["warmup"]["final_accuracy"] <= 1.0, kind
+    assert sorted((r["model"], r["seq_len"], r["pairs"]) for r in report["summary"]) == [
+        ("sheaf", 32, 2), ("sheaf", 64, 4), ("ssm", 32, 2), ("ssm", 64, 4)]
     for row in report["summary"]:
         m = report["tasks"]["mqar"]["models"][row["model"]]
+        expected = m["warmup"]["final_accuracy"] if row["seq_len"] == 32 else m["accuracy"]["64"]
+        assert row["accuracy"] == expected and row["train_len"] == 64
         assert row["warmup"] == [32, 2, 3] and row["steps"] == 2 + 3
         assert row["tokens"] == (2 * 64 + 3 * 32) * 2
         assert row["seconds"] == pytest.approx(m["train_s"] + m["warmup"]["train_s"])

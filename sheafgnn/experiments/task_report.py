@@ -33,7 +33,9 @@ def summary_rows(report: dict) -> list[dict]:
     ``hash_retrieval``: whether the sheaf model's site had its hash retrieval rule, False for the models
     that read ids only; ``topology_rank`` ... ``block_summary``: the sheaf model's topology and its
     training, None for the others; ``warmup``: the MQAR curriculum's [sequence, pairs, steps] trained
-    first, None without; ``steps``, ``tokens`` and ``seconds`` count it in)."""
+    first, None without; ``steps``, ``tokens`` and ``seconds`` count it in). A curriculum also gives the
+    row of its final model on the warm-up task: ``seq_len`` and ``pairs`` the warm-up's, ``train_len``
+    the main task's.)"""
     cfg, rows = report["config"], []
     sheaf = {**SheafStateConfig().to_dict(), **cfg["sheaf"]}
     topology = ("topology_rank", "topology_k", "content_blocks", "proposal_block", "pool_loss_weight",
@@ -46,6 +48,10 @@ def summary_rows(report: dict) -> list[dict]:
                              "model": kind, "hash_retrieval": bool(cfg["hash_retrieval"]) and kind == "sheaf",
                              **{k: sheaf[k] if kind == "sheaf" else None for k in topology}, "lr": cfg["lr"],
                              **_budget(cfg, task, r["train_len"], m), "accuracy": accuracy})
+            if "final_accuracy" in m.get("warmup", {}):  # the curriculum's final model on its warm-up task
+                short_len, short_pairs, _ = cfg["mqar_warmup"]
+                rows.append({**rows[-1], "seq_len": short_len, "pairs": short_pairs,
+                             "accuracy": m["warmup"]["final_accuracy"]})
     return sorted(rows, key=_summary_order)
 
 
@@ -134,6 +140,14 @@ def markdown(report: dict) -> str:
               "`sheafgnn.experiments.task_runner`); the baselines read token ids only.",
               f"- Training: AdamW, lr {cfg['lr']:g}, warm-up {cfg['warmup_steps']} + cosine, "
               f"clip {cfg['grad_clip']:g}, fresh rows each step from one seed (the same rows for every model)."]
+    mqar = report["tasks"].get("mqar", {}).get("models", {})
+    if cfg.get("mqar_warmup") and mqar:
+        length, pairs, steps = cfg["mqar_warmup"]
+        lines.append(f"- MQAR curriculum: {steps} steps at sequence {length}, {pairs} pairs first (its own cosine "
+                     "schedule); accuracy there after them / after the whole run: "
+                     + ", ".join(f"{kind} {m['warmup']['accuracy']:.3f} / "
+                                 + (f"{m['warmup']['final_accuracy']:.3f}" if "final_accuracy" in m["warmup"] else "-")
+                                 for kind, m in mqar.items() if "warmup" in m) + ".")
     return "\n".join(lines) + "\n"
 
 

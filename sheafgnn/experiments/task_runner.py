@@ -398,6 +398,9 @@ def run_task(spec: TaskSpec, config: TasksConfig) -> dict:
             accuracy[str(length)], scored[str(length)] = r["accuracy"], r["scored"]
             split[str(length)] = {k: r[k] for k in ("accuracy_ambiguous", "scored_ambiguous", "accuracy_unambiguous")}
         result.update(accuracy=accuracy, scored=scored, ambiguity=split)
+        if warmup is not None:  # the curriculum's final model on the shorter task too: one model for both
+            result["warmup"]["final_accuracy"] = evaluate(model, short, short.train_len, config.test_examples, config,
+                                                          site_config)["accuracy"]
         result["curve"].append({"step": config.steps, "accuracy": accuracy[str(spec.train_len)],
                                 "loss": result["train_loss"]})
         print(f"{kind:<6} loss {result['train_loss']:.3f}  accuracy "
