@@ -19,6 +19,9 @@ dominate every ratio). Where ``clear_refs`` cannot be written (not Linux), the
 fallback is ``getrusage(RUSAGE_SELF).ru_maxrss`` since the process started, an
 upper bound; the report names the method it used (``memory_method``). On CUDA the figures are
 ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``.
+
+:func:`resident_bytes` and :func:`heap_stats` read the resident set and glibc's heap now
+(``benchmarks/bench_train_memory.py`` follows them through training).
 """
 
 from __future__ import annotations
@@ -134,3 +137,28 @@ def process_peak_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+class _MallInfo2(ctypes.Structure):  # struct mallinfo2 of <malloc.h> (glibc >= 2.33), all size_t
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def heap_stats() -> dict | None:
+    """glibc's view of the C heap (``mallinfo2``): ``heap_bytes`` (the main heap's size), ``in_use_bytes``
+    (allocated from it), ``free_bytes`` (free inside it: fragmentation when it grows while the live memory
+    does not) and ``mmap_bytes`` (allocations served by their own mmap); None where it is not glibc >= 2.33."""
+    try:
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return {"heap_bytes": info.arena, "in_use_bytes": info.uordblks, "free_bytes": info.fordblks,
+            "mmap_bytes": info.hblkhd}
+
+
+def resident_bytes() -> int | None:
+    """This process's resident set now (``VmRSS``), None where ``/proc`` does not tell."""
+    kib = _status_kib("VmRSS")
+    return None if kib is None else kib * 1024

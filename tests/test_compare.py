@@ -18,7 +18,7 @@ from sheafgnn.experiments.compare import (
     sweep_one,
 )
 from sheafgnn.lm import MODEL_KINDS, matched_options
-from sheafgnn.memory import PeakMemory
+from sheafgnn.memory import PeakMemory, heap_stats, resident_bytes
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +53,18 @@ def test_peak_memory_sees_an_allocation():
         torch.ones(16)
     if small.method.startswith("VmHWM"):
         assert small.extra_bytes < 40 << 20  # the reset forgot the 50 MiB above
+
+
+def test_heap_stats_and_resident_set_see_an_allocation():
+    rss, heap = resident_bytes(), heap_stats()
+    if heap is None or rss is None:
+        pytest.skip("not glibc >= 2.33 on Linux")
+    x = torch.ones(8 << 20)  # 32 MiB, from the heap or its own mmap (keep_freed_memory decides): counted
+    grown, now = heap_stats(), resident_bytes()
+    assert (grown["in_use_bytes"] + grown["mmap_bytes"]) - (heap["in_use_bytes"] + heap["mmap_bytes"]) >= 30 << 20
+    assert now > 0 and rss > 0  # not its growth: freed pages the heap still holds may serve the tensor
+    assert grown["heap_bytes"] >= grown["in_use_bytes"] and grown["free_bytes"] >= 0
+    del x
 
 
 def _point(n, fb, mem, skipped=False):

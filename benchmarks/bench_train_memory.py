@@ -1,0 +1,138 @@
+"""Memory through training: the resident set against the live memory, step by step, sheaf vs dense.
+
+Each model trains in a fresh process (the C heap is per process) as a user's
+run does: windows of the embedded corpus built into sites, PyG DataLoader,
+AdamW, :func:`~sheafgnn.train.train_step`, at the compare's sizes (sheaf
+d_model 128, 2 layers; dense matched to its parameters within 10%). Every
+``--every`` steps it records:
+
+- ``rss_bytes``: the process's resident set (``VmRSS``);
+- ``live_tensor_bytes``: the storages of every tensor the garbage collector
+  can reach (parameters, optimizer state, the corpus ids; between steps);
+- glibc's heap (:func:`sheafgnn.memory.heap_stats`): ``heap_bytes``,
+  ``in_use_bytes``, ``free_bytes`` (free inside the heap: fragmentation when
+  it grows while the live memory does not), ``mmap_bytes``;
+- ``elapsed_s`` since the first step.
+
+It writes ``train_memory.json`` (rows per model, and the growth of each
+figure from the first record to the last) and ``train_memory.png``.
+
+Usage::
+
+    python benchmarks/bench_train_memory.py [--out benchmarks/results] [--steps 60] [--every 5] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch_geometric.loader import DataLoader
+
+from sheafgnn.data import WindowDataset, corpus_ids
+from sheafgnn.experiments.report import pyplot, save_figure
+from sheafgnn.lm import build_model, matched_options
+from sheafgnn.memory import heap_stats, resident_bytes
+from sheafgnn.site import SiteBuilder, SiteConfig
+from sheafgnn.train import train_step
+
+KINDS = ("sheaf", "dense")
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of the distinct tensor storages the garbage collector reaches."""
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and not obj.is_meta:
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def train_here(kind: str, steps: int, every: int, context: int, batch_size: int) -> list[dict]:
+    """Train one model ``steps`` steps in this process; a record every ``every`` steps (and the last)."""
+    options, _ = matched_options(KINDS, {"d_model": 128, "n_layers": 2}, 256, n_heads=4, window=256)
+    site = {} if kind == "sheaf" else {"patch_types": []}
+    torch.manual_seed(0)
+    model = build_model(kind, options[kind], 256, site).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    ids = corpus_ids(context * batch_size * steps + 1)
+    loader = DataLoader(WindowDataset(ids, context, SiteBuilder(SiteConfig.from_dict(site))), batch_size=batch_size)
+    rows, start = [], time.perf_counter()
+    for step, batch in enumerate(loader, start=1):
+        train_step(model, batch, optimizer, lr=1e-3, grad_clip=1.0)
+        if step % every == 0 or step == steps:
+            rows.append({"step": step, "elapsed_s": time.perf_counter() - start, "rss_bytes": resident_bytes(),
+                         "live_tensor_bytes": live_tensor_bytes(), **(heap_stats() or {})})
+        if step == steps:
+            break
+    return rows
+
+
+def growth(rows: list[dict]) -> dict:
+    """Last record minus first, per figure."""
+    return {key: rows[-1][key] - rows[0][key] for key in rows[0]
+            if key not in ("step", "elapsed_s") and rows[0][key] is not None}
+
+
+def plot(result: dict, path: Path) -> None:
+    fig, axes = pyplot().subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, kind in zip(axes, KINDS):
+        rows = result["models"][kind]["rows"]
+        steps = [r["step"] for r in rows]
+        for key, label in (("rss_bytes", "resident set"), ("heap_bytes", "glibc heap"),
+                           ("in_use_bytes", "heap in use"), ("live_tensor_bytes", "live tensors")):
+            if rows[0].get(key) is not None:
+                ax.plot(steps, [r[key] / 2**20 for r in rows], label=label)
+        ax.set_title(kind)
+        ax.set_xlabel("training step")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("MiB")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"Memory through training, context {result['context']}, batch {result['batch_size']}")
+    save_figure(fig, path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--every", type=int, default=5)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--one", choices=KINDS, help=argparse.SUPPRESS)  # the child process: one model
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.one:
+        print(json.dumps(train_here(args.one, args.steps, args.every, args.context, args.batch_size)))
+        return
+    result = {"machine": {"platform": platform.platform(), "threads": args.threads, "torch": torch.__version__},
+              "steps": args.steps, "context": args.context, "batch_size": args.batch_size, "models": {}}
+    for kind in KINDS:
+        command = [sys.executable, __file__, "--one", kind, *sys.argv[1:]]
+        rows = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+        result["models"][kind] = {"rows": rows, "growth": growth(rows)}
+        first, last = rows[0], rows[-1]
+        print(f"  {kind:<6} step {first['step']} -> {last['step']}: RSS {first['rss_bytes'] / 2**20:,.0f} -> "
+              f"{last['rss_bytes'] / 2**20:,.0f} MiB, live tensors {first['live_tensor_bytes'] / 2**20:,.0f} -> "
+              f"{last['live_tensor_bytes'] / 2**20:,.0f} MiB"
+              + (f", heap in use {first['in_use_bytes'] / 2**20:,.0f} -> {last['in_use_bytes'] / 2**20:,.0f} MiB, "
+                 f"free in it {first['free_bytes'] / 2**20:,.0f} -> {last['free_bytes'] / 2**20:,.0f} MiB"
+                 if "free_bytes" in first else ""), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train_memory.json").write_text(json.dumps(result, indent=2))
+    plot(result, out / "train_memory.png")
+    print(f"wrote {out / 'train_memory.json'}, {out / 'train_memory.png'}")
+
+
+if __name__ == "__main__":
+    main()
