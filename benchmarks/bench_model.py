@@ -37,8 +37,8 @@ the resident set before it (see :class:`sheafgnn.memory.PeakMemory`); the
 site is built before the step and is not timed.
 
 This process calls nothing but the model, as a library user would: the model
-tunes glibc's allocator itself when it is built (``tune_cpu_allocator``,
-:func:`sheafgnn.memory.keep_freed_memory`). Step 1 runs a second time in a fresh
+tunes glibc's allocator and oneDNN's cache itself when it is built (``tune_cpu_allocator``,
+:func:`sheafgnn.memory.tune_cpu_process`). Step 1 runs a second time in a fresh
 process with ``tune_cpu_allocator=False`` (``--untuned``; the setting is
 process-wide, so it needs its own process): what the setting buys. Every
 later step of this process, dense's included, runs under the tuned allocator.
@@ -67,7 +67,7 @@ from torch_geometric.loader import DataLoader
 from sheafgnn.data import WindowDataset, corpus_ids
 from sheafgnn.experiments.report import pyplot, save_figure
 from sheafgnn.lm import build_model, matched_options
-from sheafgnn.memory import PeakMemory, keep_freed_memory
+from sheafgnn.memory import PeakMemory, tune_cpu_process
 from sheafgnn.model import SheafStateConfig, SheafStateLM
 from sheafgnn.nn.gluing import transport_sum, transport_sum_reference
 from sheafgnn.nn.proposals import content_blocks
@@ -160,7 +160,7 @@ def fwd_bwd_here(kind: str, n: int, repeats: int, extra: dict, memory: bool) -> 
     """Forward+backward seconds (best of ``repeats``, after a warm-up step) of one n-token window of the
     compare-size model, and with ``memory`` its peak extra memory (one more step, timed apart: PeakMemory
     trims the heap first, so that step pays cold pages)."""
-    keep_freed_memory()  # what building a sheaf model does (tune_cpu_allocator): dense gets the same
+    tune_cpu_process()  # what building a sheaf model does (tune_cpu_allocator): dense gets the same
     ids = corpus_ids(n + 1)
     model, site = compare_model(kind, extra)
     data = build_site(ids[:n], site)

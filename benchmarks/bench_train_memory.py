@@ -1,6 +1,6 @@
 """Memory through training: the resident set against the live memory, step by step, sheaf vs dense.
 
-Each model trains in a fresh process (the C heap is per process) as a user's
+Each run trains in a fresh process (the C heap is per process) as a user's
 run does: windows of the embedded corpus built into sites, PyG DataLoader,
 AdamW, :func:`~sheafgnn.train.train_step`, at the compare's sizes (sheaf
 d_model 128, 2 layers; dense matched to its parameters within 10%). Every
@@ -14,8 +14,12 @@ d_model 128, 2 layers; dense matched to its parameters within 10%). Every
   it grows while the live memory does not), ``mmap_bytes``;
 - ``elapsed_s`` since the first step.
 
-It writes ``train_memory.json`` (rows per model, and the growth of each
-figure from the first record to the last) and ``train_memory.png``.
+Three runs: ``sheaf`` (as a user runs it: the model bounds oneDNN's primitive
+cache itself, :func:`sheafgnn.memory.bound_onednn_cache`), ``sheaf_onednn_1024``
+(the cache at oneDNN's default size, set in the environment, which the model
+leaves alone) and ``dense``. It writes ``train_memory.json`` (rows per run, and
+the growth of each figure from the first record to the last) and
+``train_memory.png``.
 
 Usage::
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -44,6 +49,8 @@ from sheafgnn.site import SiteBuilder, SiteConfig
 from sheafgnn.train import train_step
 
 KINDS = ("sheaf", "dense")
+RUNS = {"sheaf": ("sheaf", {}), "sheaf_onednn_1024": ("sheaf", {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024"}),
+        "dense": ("dense", {})}  # name -> (model kind, environment of its process)
 
 
 def live_tensor_bytes() -> int:
@@ -83,15 +90,15 @@ def growth(rows: list[dict]) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    fig, axes = pyplot().subplots(1, 2, figsize=(11, 4), sharey=True)
-    for ax, kind in zip(axes, KINDS):
-        rows = result["models"][kind]["rows"]
+    fig, axes = pyplot().subplots(1, len(RUNS), figsize=(15, 4), sharey=True)
+    for ax, name in zip(axes, RUNS):
+        rows = result["runs"][name]["rows"]
         steps = [r["step"] for r in rows]
         for key, label in (("rss_bytes", "resident set"), ("heap_bytes", "glibc heap"),
                            ("in_use_bytes", "heap in use"), ("live_tensor_bytes", "live tensors")):
             if rows[0].get(key) is not None:
                 ax.plot(steps, [r[key] / 2**20 for r in rows], label=label)
-        ax.set_title(kind)
+        ax.set_title(name)
         ax.set_xlabel("training step")
         ax.grid(True, alpha=0.3)
     axes[0].set_ylabel("MiB")
@@ -108,20 +115,21 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--one", choices=KINDS, help=argparse.SUPPRESS)  # the child process: one model
+    parser.add_argument("--one", choices=KINDS, help=argparse.SUPPRESS)  # the child process: one run
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.one:
         print(json.dumps(train_here(args.one, args.steps, args.every, args.context, args.batch_size)))
         return
     result = {"machine": {"platform": platform.platform(), "threads": args.threads, "torch": torch.__version__},
-              "steps": args.steps, "context": args.context, "batch_size": args.batch_size, "models": {}}
-    for kind in KINDS:
+              "steps": args.steps, "context": args.context, "batch_size": args.batch_size, "runs": {}}
+    for name, (kind, env) in RUNS.items():
         command = [sys.executable, __file__, "--one", kind, *sys.argv[1:]]
-        rows = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
-        result["models"][kind] = {"rows": rows, "growth": growth(rows)}
+        out = subprocess.run(command, check=True, capture_output=True, text=True, env={**os.environ, **env}).stdout
+        rows = json.loads(out.splitlines()[-1])
+        result["runs"][name] = {"kind": kind, "environment": env, "rows": rows, "growth": growth(rows)}
         first, last = rows[0], rows[-1]
-        print(f"  {kind:<6} step {first['step']} -> {last['step']}: RSS {first['rss_bytes'] / 2**20:,.0f} -> "
+        print(f"  {name:<17} step {first['step']} -> {last['step']}: RSS {first['rss_bytes'] / 2**20:,.0f} -> "
               f"{last['rss_bytes'] / 2**20:,.0f} MiB, live tensors {first['live_tensor_bytes'] / 2**20:,.0f} -> "
               f"{last['live_tensor_bytes'] / 2**20:,.0f} MiB"
               + (f", heap in use {first['in_use_bytes'] / 2**20:,.0f} -> {last['in_use_bytes'] / 2**20:,.0f} MiB, "

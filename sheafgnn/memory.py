@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import os
 import resource
 
 import torch
@@ -129,6 +130,34 @@ def keep_freed_memory() -> bool:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int  # int mallopt(int, int)
     m_trim_threshold, m_mmap_threshold = -1, -3  # mallopt parameters from <malloc.h>
     return bool(mallopt(m_mmap_threshold, MMAP_THRESHOLD) and mallopt(m_trim_threshold, TRIM_THRESHOLD))
+
+
+ONEDNN_CACHE_VARIABLE = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
+ONEDNN_CACHE_CAPACITY = 64  # primitives oneDNN keeps (its own default: 1,024)
+
+
+def bound_onednn_cache(capacity: int = ONEDNN_CACHE_CAPACITY) -> bool:
+    """Cap oneDNN's primitive cache at ``capacity`` for this process, unless the user set its size;
+    returns whether it set it.
+
+    PyTorch runs the CPU GELU through oneDNN, which JIT-compiles a primitive per input shape and caches
+    up to 1,024 of them (~28 KiB each here). The sheaf model's experts see as many rows as a site has
+    nodes of a type, a new shape at almost every training step: the entries pile up between the step's
+    large tensors and keep glibc's heap from reusing their space (``benchmarks/bench_train_memory.py``:
+    at context 1k the resident set grew ~9 MiB per step, its live memory flat), and a miss with the
+    full cache is slow. A cache of 64 still holds every shape of a repeated site. oneDNN reads the
+    variable once, at its first primitive: set later, it changes nothing.
+    """
+    if ONEDNN_CACHE_VARIABLE in os.environ:
+        return False
+    os.environ[ONEDNN_CACHE_VARIABLE] = str(capacity)
+    return True
+
+
+def tune_cpu_process() -> dict:
+    """Both process-wide settings for training on the CPU: glibc's thresholds (:func:`keep_freed_memory`)
+    and oneDNN's primitive cache (:func:`bound_onednn_cache`); returns which took."""
+    return {"glibc": keep_freed_memory(), "onednn_cache": bound_onednn_cache()}
 
 
 def process_peak_bytes(device: torch.device) -> int:

@@ -49,7 +49,7 @@ from torch.utils.checkpoint import checkpoint
 from torch_geometric.data import HeteroData
 
 from sheafgnn.config import ConfigFile
-from sheafgnn.memory import keep_freed_memory
+from sheafgnn.memory import tune_cpu_process
 from sheafgnn.nn.experts import PatchExperts
 from sheafgnn.nn.proposals import BLOCK_SUMMARIES
 from sheafgnn.nn.quant import apply_quant, validate_quant
@@ -111,7 +111,7 @@ class SheafStateConfig(ConfigFile):
     gluing: bool = True  # False: Phi + token feed-forward only (the ssm ablation)
     validate_sites: bool = True  # run validate_site (schema + causality) on every input; O(edges)
     checkpoint_blocks: bool = False  # training: recompute each block in backward (torch.utils.checkpoint)
-    tune_cpu_allocator: bool = True  # construction calls sheafgnn.memory.keep_freed_memory (process-wide, speed only)
+    tune_cpu_allocator: bool = True  # construction calls sheafgnn.memory.tune_cpu_process (process-wide settings)
     site: dict = field(default_factory=dict)  # SiteConfig fields for build_site
     quant: dict = field(default_factory=dict)  # QuantVect {maps, experts, map_values}: none|int8|int4|ternary
 
@@ -267,8 +267,9 @@ class SheafStateLM(nn.Module):
         if config.tune_cpu_allocator:
             # Linear cost needs it: glibc unmaps every freed buffer over 32 MiB, so each large activation of
             # a long context pays its page faults again on every step (fwd+bwd slope 1.32 instead of 1.05
-            # from 4k to 64k tokens, benchmarks/bench_model.py). It sets the whole process's allocator.
-            keep_freed_memory()
+            # from 4k to 64k tokens, benchmarks/bench_model.py); and oneDNN's cache of a primitive per
+            # shape fragments the heap as the sites change (bench_train_memory.py). Process-wide.
+            tune_cpu_process()
         apply_quant(self, config.quant)  # fake-quantised maps / experts (sheafgnn.nn.quant); no-op if empty
 
     def reset_parameters(self) -> None:

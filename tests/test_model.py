@@ -1,11 +1,18 @@
 
 import ctypes
+import os
 
 import pytest
 import torch
 from torch_geometric.data import Batch
 
-from sheafgnn.memory import MMAP_THRESHOLD, TRIM_THRESHOLD
+from sheafgnn.memory import (
+    MMAP_THRESHOLD,
+    ONEDNN_CACHE_CAPACITY,
+    ONEDNN_CACHE_VARIABLE,
+    TRIM_THRESHOLD,
+    bound_onednn_cache,
+)
 from sheafgnn.model import SheafStateConfig, SheafStateLM
 from sheafgnn.nn.experts import FeedForward, PatchExperts, _LeanFeedForward, feed_forward_reference
 from sheafgnn.nn.segment import HAS_TORCH_SCATTER, use_backend
@@ -264,9 +271,16 @@ def test_allocator_thresholds_fit_a_c_int():
         assert ctypes.c_int(value).value == value > 0
 
 
+def test_onednn_cache_is_bounded_unless_the_user_sized_it(monkeypatch):
+    monkeypatch.delenv(ONEDNN_CACHE_VARIABLE, raising=False)
+    assert bound_onednn_cache() and os.environ[ONEDNN_CACHE_VARIABLE] == str(ONEDNN_CACHE_CAPACITY)
+    monkeypatch.setenv(ONEDNN_CACHE_VARIABLE, "7")
+    assert not bound_onednn_cache() and os.environ[ONEDNN_CACHE_VARIABLE] == "7"
+
+
 @pytest.mark.parametrize("tune", [True, False])
 def test_the_model_tunes_the_cpu_allocator_unless_told_not_to(monkeypatch, tune):
     calls = []
-    monkeypatch.setattr("sheafgnn.model.keep_freed_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr("sheafgnn.model.tune_cpu_process", lambda: calls.append(1) or {})
     SheafStateLM(SheafStateConfig(d_model=16, n_layers=1, tune_cpu_allocator=tune))
     assert len(calls) == int(tune)

@@ -73,7 +73,7 @@ from sheafgnn.experiments.report import config_from_args, report_parser, run_rep
 from sheafgnn.experiments.task_report import figures, markdown, merge_summary, summary_rows
 from sheafgnn.experiments.tasks import IGNORE_INDEX, induction_heads, mqar, selective_copying
 from sheafgnn.lm import MODEL_KINDS, build_model, count_model_parameters, matched_options, print_parameter_counts
-from sheafgnn.memory import keep_freed_memory
+from sheafgnn.memory import tune_cpu_process
 from sheafgnn.site import SiteConfig, build_site
 from sheafgnn.train import cosine_lr, param_groups, resolve_device, train_step
 
@@ -424,7 +424,7 @@ def run_tasks(config: TasksConfig) -> dict:
     print(config)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    keep_freed_memory()  # every model alike: speed only (sheafgnn.memory)
+    tune_cpu_process()  # every model alike (sheafgnn.memory)
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
