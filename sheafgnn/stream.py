@@ -44,7 +44,7 @@ from torch import Tensor
 
 from sheafgnn.generation import TokenStream
 from sheafgnn.nn.pools import pool_dot
-from sheafgnn.nn.proposals import best_blocks, summarize_blocks, summary_query, top_blocks
+from sheafgnn.nn.proposals import best_blocks, summarize_blocks, summary_query, summary_width, top_blocks
 from sheafgnn.nn.segment import sort_by_destination
 from sheafgnn.nn.ssm import SSMState
 from sheafgnn.nn.topology import LearnedTopology, rule_pools
@@ -173,7 +173,7 @@ class SheafStream(TokenStream):
         self.num_rows = 0
         D, dtype = model.config.d_model, model.token_embedding.weight.dtype
         rank = model.config.topology_rank
-        summary = 2 * rank if model.config.block_summary == "bounds" else rank  # width of summarize_blocks
+        summary = summary_width(rank, model.config.block_summary)
         self.caches = [LayerCache(RowBuffer((D,), dtype, device), RowBuffer((rank,), dtype, device),
                                   RowBuffer((rank,), dtype, device), RowBuffer((batch_size, summary), dtype, device),
                                   block.phi_token.init_state(batch_size, device, dtype),
@@ -432,7 +432,7 @@ def stream_blocks(query: Tensor, stream: Tensor, last: Tensor, block_key: Tensor
     """For each query row, the ``num_blocks`` best of its stream's blocks ``j < last`` (as :func:`best_blocks`).
 
     Args:
-        query (Tensor): (M, r'), as :func:`~sheafgnn.nn.topology.summary_query` gives it.
+        query (Tensor): (M, r'), as :func:`~sheafgnn.nn.proposals.summary_query` gives it.
         stream (Tensor): (M,) stream of each row.
         last (Tensor): (M,) one past the last block each row may choose.
         block_key (Tensor): (J, B, r') the summaries of every stream's complete blocks.

@@ -8,7 +8,14 @@ import sheafgnn.nn.segment as segment_module
 import sheafgnn.nn.topology as topology_module
 from sheafgnn.model import Extras, SheafStateLM, topology_input
 from sheafgnn.nn.pools import pool_dot, pool_read
-from sheafgnn.nn.proposals import content_blocks, random_proposals, summarize_blocks, summary_query, top_blocks
+from sheafgnn.nn.proposals import (
+    content_blocks,
+    random_proposals,
+    summarize_blocks,
+    summary_query,
+    summary_width,
+    top_blocks,
+)
 from sheafgnn.nn.segment import HAS_TORCH_SCATTER, HAS_TORCH_SPARSE
 from sheafgnn.nn.topology import LearnedTopology, TopologyInput
 from sheafgnn.site import build_site
@@ -146,6 +153,8 @@ def test_block_bounds_bound_the_best_token_score():
     torch.testing.assert_close(single, query @ keys[:, 0].T)
     mean = summary_query(query, "mean") @ summarize_blocks(keys, "mean").T
     torch.testing.assert_close(mean, torch.einsum("qr,jbr->qjb", query, keys).mean(-1))
+    for kind in ("mean", "bounds"):
+        assert summarize_blocks(keys, kind).size(-1) == summary_width(8, kind) == summary_query(query, kind).size(-1)
 
 
 def test_planted_future_proposal_is_caught(full_config, monkeypatch):

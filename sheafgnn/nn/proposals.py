@@ -20,6 +20,7 @@ in chunks of rows so that memory stays O(n + chunk * n / B)
 ::
 
     summarize_blocks, summary_query     one block's summary key and the query that scores it
+    summary_width                       the width of a summary
     block_summaries                     every complete block of every graph and its summary
     best_blocks, top_blocks             the best blocks per row, chunked; the masked top-k
     content_blocks                      the proposals of a batch of destinations (the full forward)
@@ -75,6 +76,12 @@ def summarize_blocks(member_keys: Tensor, kind: str = "mean") -> Tensor:
     if kind == "mean":
         return member_keys.mean(-2)
     return torch.cat([member_keys.amax(-2), member_keys.amin(-2)], -1)
+
+
+def summary_width(rank: int, kind: str = "mean") -> int:
+    """The width of :func:`summarize_blocks`' summaries of rank-``rank`` keys: ``rank``, or ``2 rank`` for
+    ``"bounds"``."""
+    return rank if kind == "mean" else 2 * rank
 
 
 def summary_query(query: Tensor, kind: str = "mean") -> Tensor:
