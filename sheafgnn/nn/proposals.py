@@ -34,7 +34,7 @@ from torch import Tensor
 
 # Multipliers of the position hash (odd 31-bit constants; int64 products wrap).
 _HASH_MULTIPLIERS = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F)
-_SCORE_CHUNK = 1 << 22  # block scores held at once (rows x blocks) in content_blocks
+_SCORE_CHUNK = 1 << 19  # block scores held at once (rows x blocks): 2 MiB, cache-resident for topk
 BLOCK_SUMMARIES = ("mean", "bounds")
 
 
