@@ -74,7 +74,7 @@ from sheafgnn.nn.proposals import content_blocks
 from sheafgnn.nn.segment import HAS_TORCH_SCATTER, segment_sum, sort_by_destination, use_backend
 from sheafgnn.nn.sheaf import SheafConv
 from sheafgnn.site import SiteBuilder, SiteConfig, build_site
-from sheafgnn.train import train_step
+from sheafgnn.train import make_optimizer, train_step
 
 
 def best_of(fn, repeats: int) -> float:
@@ -217,7 +217,8 @@ def sheaf_vs_dense_fit(n: int, dense_times: dict[int, float], repeats: int) -> d
 
 
 def train_throughput(context: int, batch_size: int, steps: int, rounds: int) -> dict:
-    """Training tokens/s of sheaf and dense at ``context``: sites built per window, PyG DataLoader, train_step.
+    """Training tokens/s of sheaf and dense at ``context``: sites built per window, PyG DataLoader, train_step
+    with the project's optimizer (:func:`~sheafgnn.train.make_optimizer`).
     The two models take turns, ``steps`` steps each per round, for ``rounds`` rounds, so that both run under
     the same drift of this machine's speed (10-20% over minutes); each model's figure is its best round."""
     ids = corpus_ids(context * batch_size * (rounds * steps + 1) + 1)
@@ -225,7 +226,7 @@ def train_throughput(context: int, batch_size: int, steps: int, rounds: int) -> 
     runs = {}
     for kind in ("sheaf", "dense"):
         model, site = compare_model(kind)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        optimizer = make_optimizer(model, lr=1e-3, weight_decay=0.1)
         batches = iter(DataLoader(WindowDataset(ids, context, SiteBuilder(site)), batch_size=batch_size))
         train_step(model, next(batches), optimizer, lr=1e-3, grad_clip=1.0)  # warm-up
         runs[kind] = (model, optimizer, batches)

@@ -46,7 +46,7 @@ from sheafgnn.experiments.report import pyplot, save_figure
 from sheafgnn.lm import build_model, matched_options
 from sheafgnn.memory import heap_stats, resident_bytes
 from sheafgnn.site import SiteBuilder, SiteConfig
-from sheafgnn.train import train_step
+from sheafgnn.train import make_optimizer, train_step
 
 KINDS = ("sheaf", "dense")
 RUNS = {"sheaf": ("sheaf", {}), "sheaf_onednn_1024": ("sheaf", {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024"}),
@@ -69,7 +69,7 @@ def train_here(kind: str, steps: int, every: int, context: int, batch_size: int)
     site = {} if kind == "sheaf" else {"patch_types": []}
     torch.manual_seed(0)
     model = build_model(kind, options[kind], 256, site).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    optimizer = make_optimizer(model, lr=1e-3, weight_decay=0.1)
     ids = corpus_ids(context * batch_size * steps + 1)
     loader = DataLoader(WindowDataset(ids, context, SiteBuilder(SiteConfig.from_dict(site))), batch_size=batch_size)
     rows, start = [], time.perf_counter()

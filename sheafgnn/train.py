@@ -185,6 +185,17 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def make_optimizer(model: nn.Module, *, lr: float, weight_decay: float,
+                   betas: tuple[float, float] = (0.9, 0.95)) -> AdamW:
+    """The AdamW of every training loop: :func:`param_groups`, and PyTorch's fused kernel where every
+    parameter is a floating-point tensor on the CPU or a CUDA device. The sheaf model has ~150 small
+    parameter tensors, and the per-tensor loop of the default implementation cost 15 ms a step at the
+    compare's size on one CPU thread (fused: 4 ms; dense's 14 tensors: 4.0 -> 1.7 ms)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+    return AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, fused=fused)
+
+
 def cosine_lr(step: int, *, peak_lr: float, total_steps: int, warmup_steps: int, min_lr_ratio: float) -> float:
     """Learning rate for update ``step`` (0-based): linear warm-up from ``peak_lr / warmup_steps`` to
     ``peak_lr`` over ``warmup_steps``, then a cosine to ``peak_lr * min_lr_ratio`` at ``total_steps``."""
@@ -505,7 +516,8 @@ def _model_and_optimizer(config: TrainConfig, model: nn.Module | None, vocab_siz
     torch.manual_seed(config.seed)  # the same initial weights on every rank
     model = (model if model is not None else build_model(config.model, config.model_config, vocab_size,
                                                          config.site)).to(device)
-    optimizer = AdamW(param_groups(model, config.weight_decay), lr=config.lr, betas=(config.beta1, config.beta2))
+    optimizer = make_optimizer(model, lr=config.lr, weight_decay=config.weight_decay,
+                               betas=(config.beta1, config.beta2))
     torch.manual_seed(config.seed + rank)  # dropout streams differ between ranks
     if latest is None:
         return model, optimizer, 0, {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import random
@@ -30,6 +31,7 @@ from sheafgnn.train import (
     TrainingDiverged,
     cosine_lr,
     evaluate,
+    make_optimizer,
     param_groups,
     train,
     train_step,
@@ -121,6 +123,23 @@ def test_param_groups_decay_matrices_only():
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert [p.shape for p in decay["params"]] == [torch.Size([3, 4])]
     assert len(no_decay["params"]) == 3  # the linear bias, the norm's weight and bias
+
+
+def test_make_optimizer_is_fused_adamw_and_agrees_with_the_loop():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+    reference = copy.deepcopy(model)
+    fused = make_optimizer(model, lr=1e-2, weight_decay=0.1)
+    loop = torch.optim.AdamW(param_groups(reference, 0.1), lr=1e-2, betas=(0.9, 0.95))
+    assert fused.defaults["fused"] and not loop.defaults["fused"]
+    x = torch.randn(8, 4)
+    for _ in range(5):
+        for net, optimizer in ((model, fused), (reference, loop)):
+            net(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for a, b in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b)
 
 
 def test_train_step_clips_steps_and_skips_non_finite():

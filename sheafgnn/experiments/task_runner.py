@@ -75,7 +75,7 @@ from sheafgnn.experiments.tasks import IGNORE_INDEX, induction_heads, mqar, sele
 from sheafgnn.lm import MODEL_KINDS, build_model, count_model_parameters, matched_options, print_parameter_counts
 from sheafgnn.memory import tune_cpu_process
 from sheafgnn.site import SiteConfig, build_site
-from sheafgnn.train import cosine_lr, param_groups, resolve_device, train_step
+from sheafgnn.train import cosine_lr, make_optimizer, resolve_device, train_step
 
 TASKS = ("mqar", "selective_copying", "induction_heads")
 TASK_SITE = {"patch_types": ["local", "workspace", "output"], "retrieval_key_len": 1}
@@ -268,7 +268,7 @@ def train_task(model: nn.Module, spec: TaskSpec, config: TasksConfig, site_confi
     """
     device, tokenizer = resolve_device(config.device), TaskTokenizer(spec.vocab_size)
     generator = torch.Generator().manual_seed(config.seed)
-    optimizer = torch.optim.AdamW(param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.95))
+    optimizer = make_optimizer(model, lr=config.lr, weight_decay=config.weight_decay)
     steps = config.steps if steps is None else steps
     warmup = min(config.warmup_steps, steps)
     losses, curve, testing = [], [], 0.0
