@@ -73,8 +73,9 @@ from sheafgnn.nn.gluing import transport_sum, transport_sum_reference
 from sheafgnn.nn.proposals import content_blocks
 from sheafgnn.nn.segment import HAS_TORCH_SCATTER, segment_sum, sort_by_destination, use_backend
 from sheafgnn.nn.sheaf import SheafConv
+from sheafgnn.optim import make_optimizer
 from sheafgnn.site import SiteBuilder, SiteConfig, build_site
-from sheafgnn.train import make_optimizer, train_step
+from sheafgnn.train import train_step
 
 
 def best_of(fn, repeats: int) -> float:

@@ -45,8 +45,9 @@ from sheafgnn.data import WindowDataset, corpus_ids
 from sheafgnn.experiments.report import pyplot, save_figure
 from sheafgnn.lm import build_model, matched_options
 from sheafgnn.memory import heap_stats, resident_bytes
+from sheafgnn.optim import make_optimizer
 from sheafgnn.site import SiteBuilder, SiteConfig
-from sheafgnn.train import make_optimizer, train_step
+from sheafgnn.train import train_step
 
 KINDS = ("sheaf", "dense")
 RUNS = {"sheaf": ("sheaf", {}), "sheaf_onednn_1024": ("sheaf", {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024"}),

@@ -1,10 +1,9 @@
 """Training: the one training toolkit, and the loop for the sheaf model and the baselines.
 
 The toolkit, used by every training loop of the project (this one, the task
-runner and the learned-topology study in :mod:`sheafgnn.experiments`)::
+runner and the learned-topology study in :mod:`sheafgnn.experiments`), with the
+optimizer and schedule of :mod:`sheafgnn.optim` (``make_optimizer``, ``cosine_lr``)::
 
-    param_groups(model, weight_decay)       AdamW groups: decay on matrices, not on biases and norms
-    cosine_lr(step, peak_lr=, total_steps=, warmup_steps=, min_lr_ratio=)   linear warm-up, then cosine
     train_step(model, batch, optimizer, lr=, grad_clip=) -> StepResult
         set lr, loss, backward, clip, step unless non-finite, zero the gradients
 
@@ -15,7 +14,7 @@ The loop::
 
     TrainConfig -> corpus -> tokenizer -> ids -> WindowDataset (sites)
                 -> DataLoader(batch_sampler=StepSampler)       global batch split over ranks
-                -> model (lm.build_model) -> DDP -> train_step: AdamW, cosine_lr, clipping, bf16
+                -> model (lm.build_model) -> DDP -> train_step: make_optimizer, cosine_lr, clipping, bf16
                 -> every eval_every: validation loss, bits per byte, perplexity
                 -> every checkpoint_every: checkpoint (sheafgnn.checkpoint), rank 0 only
     out_dir/config.yaml  metrics.csv  tb/  checkpoints/step_N/  checkpoints/latest
@@ -52,6 +51,7 @@ from sheafgnn.config import ArgumentParser, ConfigFile
 from sheafgnn.data import KINDS, StepSampler, WindowDataset, scored_batches, train_validation_text
 from sheafgnn.lm import MODEL_KINDS, build_model, config_dict
 from sheafgnn.memory import process_peak_bytes, tune_cpu_process
+from sheafgnn.optim import cosine_lr, make_optimizer
 from sheafgnn.site import BPETokenizer, ByteTokenizer, SiteBuilder, SiteConfig
 
 # Fields that fix the model, the data and its order: a resumed run must match them.
@@ -176,34 +176,6 @@ def build_datasets(config: TrainConfig, rank: int = 0, world: int = 1) -> tuple[
 # ---------------------------------------------------------------------------
 # Schedule, evaluation, distributed plumbing
 # ---------------------------------------------------------------------------
-
-
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW parameter groups: ``weight_decay`` on matrices (dim >= 2), none on biases and norms."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def make_optimizer(model: nn.Module, *, lr: float, weight_decay: float,
-                   betas: tuple[float, float] = (0.9, 0.95)) -> AdamW:
-    """The AdamW of every training loop: :func:`param_groups`, and PyTorch's fused kernel where every
-    parameter is a floating-point tensor on the CPU or a CUDA device. The sheaf model has ~150 small
-    parameter tensors, and the per-tensor loop of the default implementation cost 15 ms a step at the
-    compare's size on one CPU thread (fused: 4 ms; dense's 14 tensors: 4.0 -> 1.7 ms)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    fused = bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
-    return AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, fused=fused)
-
-
-def cosine_lr(step: int, *, peak_lr: float, total_steps: int, warmup_steps: int, min_lr_ratio: float) -> float:
-    """Learning rate for update ``step`` (0-based): linear warm-up from ``peak_lr / warmup_steps`` to
-    ``peak_lr`` over ``warmup_steps``, then a cosine to ``peak_lr * min_lr_ratio`` at ``total_steps``."""
-    if step < warmup_steps:
-        return peak_lr * (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    min_lr = peak_lr * min_lr_ratio
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (peak_lr - min_lr)
 
 
 @dataclass

@@ -27,6 +27,7 @@ LAYERS = {  # module prefix -> prefixes it must not import
     "sheafgnn.relations": UPPER,
     "sheafgnn.baselines": ("sheafgnn.model", "sheafgnn.lm", "sheafgnn.train", "sheafgnn.data", *UPPER),
     "sheafgnn.generation": ("sheafgnn",),  # torch only: every model's stream builds on it
+    "sheafgnn.optim": ("sheafgnn",),  # torch only: every training loop's optimizer
 }
 
 

@@ -25,17 +25,9 @@ from sheafgnn.checkpoint import CheckpointError, latest_checkpoint, load_checkpo
 from sheafgnn.cli import main
 from sheafgnn.data import StepSampler, WindowDataset
 from sheafgnn.lm import SequenceLM, build_model
+from sheafgnn.optim import cosine_lr, make_optimizer, param_groups
 from sheafgnn.site import ByteTokenizer, SiteBuilder, SiteConfig
-from sheafgnn.train import (
-    TrainConfig,
-    TrainingDiverged,
-    cosine_lr,
-    evaluate,
-    make_optimizer,
-    param_groups,
-    train,
-    train_step,
-)
+from sheafgnn.train import TrainConfig, TrainingDiverged, evaluate, train, train_step
 
 TINY = dict(d_model=32, n_layers=1, n_heads=2)
 

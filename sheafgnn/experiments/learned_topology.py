@@ -93,10 +93,11 @@ from sheafgnn.experiments.synthetic import (
     score_site,
 )
 from sheafgnn.model import SheafStateConfig, SheafStateLM
+from sheafgnn.optim import cosine_lr
 from sheafgnn.relations import topology_graph
 from sheafgnn.site import CANDIDATE_EDGES, SiteConfig, build_site
 from sheafgnn.site.schema import CONTENT_EDGE, RANDOM_EDGE, EdgeType
-from sheafgnn.train import cosine_lr, train_step
+from sheafgnn.train import train_step
 
 Topology = dict[EdgeType, dict[str, Tensor]]
 

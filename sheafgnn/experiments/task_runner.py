@@ -74,8 +74,9 @@ from sheafgnn.experiments.task_report import figures, markdown, merge_summary, s
 from sheafgnn.experiments.tasks import IGNORE_INDEX, induction_heads, mqar, selective_copying
 from sheafgnn.lm import MODEL_KINDS, build_model, count_model_parameters, matched_options, print_parameter_counts
 from sheafgnn.memory import tune_cpu_process
+from sheafgnn.optim import cosine_lr, make_optimizer
 from sheafgnn.site import SiteConfig, build_site
-from sheafgnn.train import cosine_lr, make_optimizer, resolve_device, train_step
+from sheafgnn.train import resolve_device, train_step
 
 TASKS = ("mqar", "selective_copying", "induction_heads")
 TASK_SITE = {"patch_types": ["local", "workspace", "output"], "retrieval_key_len": 1}
