@@ -45,28 +45,29 @@ from sheafgnn.site.schema import PATCH_TYPES
 from sheafgnn.train import TrainConfig, train
 
 SWITCHABLE = tuple(p for p in PATCH_TYPES if p != "output")  # output is the readout: always on
+FULL_SITE = {"patch_types": list(SWITCHABLE)}  # every rule, retrieval included (the default site leaves it out)
 TOPOLOGY = {"no_content_proposals": {"content_blocks": 0}, "no_random_proposals": {"random_proposals": 0},
             "with_pool_loss": {"pool_loss_weight": 1.0}}
 
 
 def active_patch_types(n: int = 8192) -> list[str]:
-    """The switchable patch types with nodes in the default site of the first ``n`` validation tokens
-    (``topic`` needs a fitted topic model, which training does not have by default)."""
-    data = build_site(corpus_ids(n, split="validation"), SiteConfig())
+    """The switchable patch types with nodes in the site of every rule (:data:`FULL_SITE`) of the first ``n``
+    validation tokens (``topic`` needs a fitted topic model, which training does not have by default)."""
+    data = build_site(corpus_ids(n, split="validation"), SiteConfig.from_dict(FULL_SITE))
     return [p for p in SWITCHABLE if data[p].num_nodes]
 
 
 def variants(d_model: int, extra_seeds: int, patch_types: list[str]) -> dict[str, dict]:
     """Name -> {model_config, site, seed} of every variant (one per patch type of ``patch_types``)."""
     model = {"d_model": d_model, "n_layers": 2}
-    out = {"full": {"model_config": model, "site": {}, "seed": 0}}
+    out = {"full": {"model_config": model, "site": FULL_SITE, "seed": 0}}
     for seed in range(1, extra_seeds + 1):
-        out[f"full_seed{seed}"] = {"model_config": model, "site": {}, "seed": seed}
+        out[f"full_seed{seed}"] = {"model_config": model, "site": FULL_SITE, "seed": seed}
     for patch_type in patch_types:
         site = {"patch_types": [p for p in SWITCHABLE if p != patch_type]}
         out[f"no_{patch_type}"] = {"model_config": model, "site": site, "seed": 0}
     for name, fields in TOPOLOGY.items():
-        out[name] = {"model_config": {**model, **fields}, "site": {}, "seed": 0}
+        out[name] = {"model_config": {**model, **fields}, "site": FULL_SITE, "seed": 0}
     return out
 
 

@@ -69,7 +69,7 @@ def main() -> None:
     settings = {p: (SiteConfig(patch_types=(p,)), None) for p in PATCH_TYPES}
     settings["topic"] = (SiteConfig(patch_types=("topic",)), topic_model)
     settings["structural"] = (SiteConfig(patch_types=STRUCTURAL), None)
-    settings["all"] = (SiteConfig(), topic_model)
+    settings["all"] = (SiteConfig(patch_types=PATCH_TYPES), topic_model)
 
     rows = []
     for n in SIZES:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sheafgnn.model import SheafStateConfig
-from sheafgnn.site import SiteConfig, TopicModel, build_site
+from sheafgnn.site import PATCH_TYPES, SiteConfig, TopicModel, build_site
 from sheafgnn.site.rules import split_sentences
 
 torch.set_num_threads(1)
@@ -42,7 +42,8 @@ def full_config(tmp_path_factory, topic_model) -> SiteConfig:
     """Every patch type switched on, small windows so short texts use them all."""
     path = tmp_path_factory.mktemp("topics") / "topics.safetensors"
     topic_model.save(path)
-    return SiteConfig(local_window=8, retrieval_key_len=2, memory_min_len=2, topic_model=str(path))
+    return SiteConfig(patch_types=PATCH_TYPES, local_window=8, retrieval_key_len=2, memory_min_len=2,
+                      topic_model=str(path))
 
 
 def small_model_config(full_config: SiteConfig, **kwargs) -> SheafStateConfig:

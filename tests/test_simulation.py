@@ -233,7 +233,7 @@ def test_default_density_is_the_papers():
 
 
 def test_the_site_sees_the_structure(seq):
-    data = validate_site(build_site(seq.ids))
+    data = validate_site(build_site(seq.ids, S.designed_site()))
     n_sections = int((seq.kind == Y.Kind.KEY).sum())
     assert data["instruction"].num_nodes == n_sections
     assert data["sentence"].num_nodes >= int((seq.kind == Y.Kind.STOP).sum())

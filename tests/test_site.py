@@ -84,7 +84,7 @@ def test_rules_hand_checked():
 
 def test_retrieval_is_induction_pattern():
     text = "abcXabcY abcZ"
-    data = build_site(text, SiteConfig(retrieval_key_len=3, retrieval_links=2))
+    data = build_site(text, SiteConfig(patch_types=PATCH_TYPES, retrieval_key_len=3, retrieval_links=2))
     ids = data["token"].x
     src, dst = data["token", "recalls", "retrieval"].edge_index
     # retrieval node at the end of the second "abc" recalls "X" (the token after the first)
@@ -194,7 +194,7 @@ def test_validate_site_names_the_problem(full_config):
 @pytest.mark.slow
 def test_one_million_tokens():
     text = (PROSE + CODE) * (1_000_000 // len((PROSE + CODE).encode()) + 1)
-    data = build_site(text[:1_000_000])
+    data = build_site(text[:1_000_000], SiteConfig(patch_types=PATCH_TYPES))
     assert data["token"].num_nodes == 1_000_000
     validate_site(data)
 
@@ -202,7 +202,7 @@ def test_one_million_tokens():
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.binary(max_size=300), st.integers(min_value=1, max_value=6))
 def test_fuzz_arbitrary_bytes(raw, window):
-    config = SiteConfig(local_window=window, retrieval_key_len=2, memory_min_len=1)
+    config = SiteConfig(patch_types=PATCH_TYPES, local_window=window, retrieval_key_len=2, memory_min_len=1)
     data = validate_site(build_site(raw, config))
     assert data["token"].num_nodes == len(raw)
 

@@ -14,6 +14,7 @@ from torch_geometric.data import HeteroData
 from sheafgnn.site import (
     EDGE_TYPES,
     NODE_TYPES,
+    PATCH_TYPES,
     BPETokenizer,
     ByteTokenizer,
     SiteConfig,
@@ -130,7 +131,7 @@ _PIECES = [b"(", b")", b"[", b"]", b"{", b"}", b'"', b"`", b"\n", b"\n\n", b"   
            b"(x)", b"[]", b'"q"', b"`a`", b"\n  x\n    y\n z\n", b"\n### do\n", b"\nQ: a b.\n"]
 _TEXT = st.lists(st.one_of(st.sampled_from(_PIECES), st.sampled_from(_PIECES), st.binary(max_size=3)),
                  max_size=60).map(b"".join)
-_FUZZ_CONFIG = SiteConfig(local_window=3, syntax_max_depth=2, syntax_max_span=16,
+_FUZZ_CONFIG = SiteConfig(patch_types=PATCH_TYPES, local_window=3, syntax_max_depth=2, syntax_max_span=16,
                           instruction_cues=("###", "Q:", "ab\n"), anchor_scope=6, topic_links=2,
                           memory_min_len=1, memory_max_len=4, memory_links=2,
                           retrieval_key_len=2, retrieval_links=2, workspace_registers=2, readout_last=2)

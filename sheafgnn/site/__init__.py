@@ -3,6 +3,7 @@
 from sheafgnn.site.builder import SiteBuilder, build_site, validate_site
 from sheafgnn.site.schema import (
     CANDIDATE_EDGES,
+    DEFAULT_PATCH_TYPES,
     EDGE_TYPES,
     NODE_TYPES,
     PATCH_TYPES,
@@ -17,6 +18,7 @@ __all__ = [
     "BPETokenizer",
     "ByteTokenizer",
     "CANDIDATE_EDGES",
+    "DEFAULT_PATCH_TYPES",
     "EDGE_TYPES",
     "NODE_TYPES",
     "PATCH_TYPES",

@@ -49,6 +49,12 @@ class PatchType(enum.StrEnum):
 
 PATCH_TYPES: tuple[str, ...] = tuple(p.value for p in PatchType)
 NODE_TYPES: tuple[str, ...] = ("token",) + PATCH_TYPES
+# The patch types a SiteConfig switches on unless told: every rule but the token-hash retrieval patches,
+# whose job (find an earlier occurrence of what is read now) the learned topology's content proposals do:
+# they solve MQAR with retrieval off (benchmarks/results/tasks/), and on text retrieval patches bought
+# +0.005 bits/byte, under the seed noise of 0.031, for 0.7 of the 3.2 nodes and 4.6 of the 18 edges per
+# token (benchmarks/results/ablation.md).
+DEFAULT_PATCH_TYPES: tuple[str, ...] = tuple(p for p in PATCH_TYPES if p != "retrieval")
 
 # Patch types whose nodes pool the tokens they cover (token -> patch 'in').
 COVERED_TYPES = ("local", "sentence", "syntax", "instruction", "topic", "memory", "retrieval")
@@ -91,7 +97,7 @@ class SiteConfig(ConfigFile):
     :meth:`from_dict` round-trip it through YAML/TOML/JSON.
     """
 
-    patch_types: tuple[str, ...] = PATCH_TYPES  # switched-on types; output is always on
+    patch_types: tuple[str, ...] = DEFAULT_PATCH_TYPES  # switched-on types; output is always on
     local_window: int = 16  # tokens per local window
     syntax_max_span: int = 512  # drop bracket/quote/indent spans longer than this (tokens)
     syntax_max_depth: int = 8  # drop brackets nested deeper than this
