@@ -219,7 +219,7 @@ def sheaf_vs_dense_fit(n: int, dense_times: dict[int, float], repeats: int) -> d
 
 def train_throughput(context: int, batch_size: int, steps: int, rounds: int) -> dict:
     """Training tokens/s of sheaf and dense at ``context``: sites built per window, PyG DataLoader, train_step
-    with the project's optimizer (:func:`~sheafgnn.train.make_optimizer`).
+    with the project's optimizer (:func:`~sheafgnn.optim.make_optimizer`).
     The two models take turns, ``steps`` steps each per round, for ``rounds`` rounds, so that both run under
     the same drift of this machine's speed (10-20% over minutes); each model's figure is its best round."""
     ids = corpus_ids(context * batch_size * (rounds * steps + 1) + 1)
