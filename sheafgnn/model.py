@@ -111,6 +111,9 @@ class SheafStateConfig(ConfigFile):
     gluing: bool = True  # False: Phi + token feed-forward only (the ssm ablation)
     validate_sites: bool = True  # run validate_site (schema + causality) on every input; O(edges)
     checkpoint_blocks: bool = False  # training: recompute each block in backward (torch.utils.checkpoint)
+    # training: recompute each SSM's conv, scan and gated norm in backward (SelectiveSSM recompute); a third less
+    # live memory at 32k tokens for +2-17% step time there and ~+10% at context 1k (benchmarks/bench_model.py)
+    recompute_ssm: bool = False
     tune_cpu_allocator: bool = True  # construction calls sheafgnn.memory.tune_cpu_process (process-wide settings)
     site: dict = field(default_factory=dict)  # SiteConfig fields for build_site
     quant: dict = field(default_factory=dict)  # QuantVect {maps, experts, map_values}: none|int8|int4|ternary
@@ -153,7 +156,7 @@ class SheafBlock(nn.Module):
         super().__init__()
         D = config.d_model
         ssm_args = dict(d_state=config.d_state, expand=config.expand, headdim=config.headdim,
-                        chunk_size=config.chunk_size)
+                        chunk_size=config.chunk_size, recompute=config.recompute_ssm)
         self.gluing = config.gluing
         self.norm_token = nn.LayerNorm(D)
         self.phi_token = SelectiveSSM(D, **ssm_args)
@@ -177,7 +180,7 @@ class SheafBlock(nn.Module):
     def forward(self, h: Tensor, site: FlatSite, extras: Extras = Extras()) -> tuple[Tensor, dict]:
         if not self.gluing:
             h_tok = h + self.phi_token(self.norm_token(h), site.token_reset)  # (num_tokens, D)
-            update, balance = self.experts(self.norm_expert(h_tok), [0, h_tok.size(0)])
+            update, balance = self.experts(h_tok, [0, h_tok.size(0)], self.norm_expert)
             return h_tok + update, {"balance": balance}
         # Split, not slices: a split's backward is one cat, a slice's zero-fills an (N, D) gradient.
         sizes = [site.tokens.stop, site.patches.stop - site.patches.start, site.outputs.stop - site.outputs.start]
@@ -201,7 +204,7 @@ class SheafBlock(nn.Module):
                           ptr=chosen.ptr)
         h, energy = glued if extras.energy else (glued, None)
 
-        update, balance = self.experts(self.norm_expert(h), site.type_ptr)
+        update, balance = self.experts(h, site.type_ptr, self.norm_expert)
         h_tok, h_patch, h_out = (h + update).split(sizes)
         # broadcast: output t -> token t; the linear keeps a copy of the output rows, not a view of all of h
         h = torch.cat([h_tok + self.broadcast(h_out.clone()), h_patch, h_out])
@@ -215,7 +218,7 @@ class SheafBlock(nn.Module):
                                              cache.token_ssm, delta.token_streams)
         h_tok = h[tok] + y  # (T, D)
         if not self.gluing:
-            update, _ = self.experts(self.norm_expert(h_tok), [0, h_tok.size(0)])
+            update, _ = self.experts(h_tok, [0, h_tok.size(0)], self.norm_expert)
             return h_tok + update
         patches, out = slice(tok.stop, delta.type_ptr[-2]), delta.block("output")
         cache.state.extend(delta.rows.numel())
@@ -236,7 +239,7 @@ class SheafBlock(nn.Module):
         local = torch.stack([N + torch.arange(src.numel(), device=h.device), dst])
         glued = self.glue(torch.cat([h, cache.state.data[src]]), local, edge_type, weight,
                           ptr=ptr_from_index(dst, N + src.numel()))[:N]
-        update, _ = self.experts(self.norm_expert(glued), delta.type_ptr)
+        update, _ = self.experts(glued, delta.type_ptr, self.norm_expert)
         h = glued + update
         return torch.cat([h[tok] + self.broadcast(h[out]), h[tok.stop :]])
 

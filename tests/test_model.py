@@ -14,6 +14,7 @@ from sheafgnn.memory import (
     bound_onednn_cache,
 )
 from sheafgnn.model import SheafStateConfig, SheafStateLM
+from sheafgnn.nn import experts as experts_module
 from sheafgnn.nn.experts import FeedForward, PatchExperts, _LeanFeedForward, feed_forward_reference
 from sheafgnn.nn.segment import HAS_TORCH_SCATTER, use_backend
 from sheafgnn.nn.topology import topk_per_group
@@ -133,12 +134,27 @@ def test_experts_routing_and_balance():
     out, balance = experts(x, [0, 4, 10])
     assert out.shape == (10, 8) and balance > 0
     # each type's slice goes through that type's experts only
-    part, _ = experts._route(1, x[4:])
+    part, _ = experts._route(1, x[4:], None)
     assert torch.allclose(out[4:], part)
     with pytest.raises(ValueError, match="type_ptr must have 3 entries"):
         experts(x, [0, 10])
     with pytest.raises(ValueError, match="from 0 to x.size"):
         experts(x, [0, 4, 9])  # must cover x
+
+
+@pytest.mark.parametrize("num_experts", [1, 3])
+def test_experts_normalise_with_the_callers_norm(num_experts):
+    torch.manual_seed(0)
+    experts, norm = PatchExperts(8, num_types=2, hidden_channels=16, num_experts=num_experts), torch.nn.LayerNorm(8)
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(10, 8, requires_grad=True)
+    fused, _ = experts(x, [0, 4, 10], norm)
+    plain, _ = experts(norm(x), [0, 4, 10])
+    torch.testing.assert_close(fused, plain)
+    grad = torch.randn(10, 8)
+    wrt = [x, norm.weight, norm.bias, *experts.parameters()]
+    for a, b in zip(torch.autograd.grad(fused, wrt, grad), torch.autograd.grad(plain, wrt, grad)):
+        torch.testing.assert_close(a, b)
 
 
 def _saved_bytes(fn) -> int:
@@ -154,23 +170,34 @@ def _saved_bytes(fn) -> int:
     return sum(storages.values())
 
 
-def test_lean_feed_forward_matches_plain_composition():
+@pytest.mark.parametrize("with_norm", [False, True])
+@pytest.mark.parametrize("chunk_rows", [None, 3])
+def test_lean_feed_forward_matches_plain_composition(with_norm, chunk_rows, monkeypatch):
+    if chunk_rows is not None:  # 7 rows in chunks of 3, the last one short
+        monkeypatch.setattr(experts_module, "FFN_CHUNK_ROWS", chunk_rows)
     torch.manual_seed(0)
     ffn = FeedForward(6, 10).double()
+    norm = torch.nn.LayerNorm(6).double() if with_norm else None
+    if norm is not None:  # not the identity init, so that the norm's gradients are checked too
+        torch.nn.init.normal_(norm.weight)
+        torch.nn.init.normal_(norm.bias)
     x = torch.randn(7, 6, dtype=torch.float64, requires_grad=True)
-    inputs = (x, ffn.fc.weight, ffn.fc.bias, ffn.proj.weight, ffn.proj.bias)
+    norm_args = (norm.weight, norm.bias, norm.eps) if norm is not None else (None, None, 0.0)
+    inputs = (x, ffn.fc.weight, ffn.fc.bias, ffn.proj.weight, ffn.proj.bias, *norm_args)
+    differentiable = [t for t in inputs if isinstance(t, torch.Tensor)]
     grad = torch.randn(7, 6, dtype=torch.float64)
-    lean, plain = ffn(x), feed_forward_reference(*inputs)
+    lean, plain = ffn(x, norm), feed_forward_reference(*inputs)
     torch.testing.assert_close(lean, plain)
-    for a, b in zip(torch.autograd.grad(lean, inputs, grad), torch.autograd.grad(plain, inputs, grad)):
+    for a, b in zip(torch.autograd.grad(lean, differentiable, grad), torch.autograd.grad(plain, differentiable, grad)):
         torch.testing.assert_close(a, b)
     torch.autograd.gradcheck(_LeanFeedForward.apply, inputs)
-    # it keeps x and fc(x), not gelu(fc(x)) too
+    # it keeps x (and the norm's per-row statistics), not the normed rows, fc(.) or gelu(fc(.))
     x = torch.randn(50, 6, dtype=torch.float64, requires_grad=True)
-    hidden_bytes = 50 * 10 * 8
-    assert _saved_bytes(lambda: feed_forward_reference(x, *inputs[1:])) - _saved_bytes(lambda: ffn(x)) >= hidden_bytes
+    weights = [ffn.fc.weight, ffn.fc.bias, ffn.proj.weight, *differentiable[5:]]
+    kept = _saved_bytes(lambda: ffn(x, norm)) - sum(w.numel() * 8 for w in weights)
+    assert kept == 50 * 6 * 8 + (2 * 50 * 8 if with_norm else 0)
     with torch.no_grad():  # inference takes the plain path
-        torch.testing.assert_close(ffn(x), feed_forward_reference(x, *inputs[1:]))
+        torch.testing.assert_close(ffn(x, norm), feed_forward_reference(x, *inputs[1:]))
 
 
 def test_ssm_ablation_has_no_gluing(full_config):

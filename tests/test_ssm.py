@@ -4,6 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sheafgnn.nn import ssm_kernels
 from sheafgnn.nn.ssm import SelectiveSSM, SSMState
 from sheafgnn.nn.ssm_kernels import chain_conv, chain_conv_reference, gated_rms_norm, ssd_scan, ssd_scan_sequential
 
@@ -33,7 +34,10 @@ def chain_stream(lengths):
 
 @pytest.mark.parametrize("L,chunk", [(1, 8), (5, 8), (8, 8), (37, 8), (50, 16), (64, 16)])
 @pytest.mark.parametrize("use_reset", [True, False])
-def test_scan_matches_sequential_forward_and_grad(L, chunk, use_reset):
+@pytest.mark.parametrize("chunks_per_block", [None, 2])
+def test_scan_matches_sequential_forward_and_grad(L, chunk, use_reset, chunks_per_block, monkeypatch):
+    if chunks_per_block is not None:  # the intra-chunk term in blocks of chunks, the last one short
+        monkeypatch.setattr(ssm_kernels, "INTRA_BLOCK_ELEMENTS", chunks_per_block * 3 * chunk * chunk)
     torch.manual_seed(0)
     x, dt, A, B, C, reset = scan_inputs(L, seed=L)
     reset = reset if use_reset else None
@@ -331,6 +335,33 @@ def test_block_gradients_reach_every_parameter():
     for name, p in block.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
         assert p.grad.abs().sum() > 0, name
+
+
+def test_recompute_gives_the_same_values_and_gradients_and_keeps_less():
+    plain, lean = make_block(), make_block(recompute=True)  # the same seeded weights
+    torch.manual_seed(5)
+    x = torch.randn(90, 16, dtype=torch.float64, requires_grad=True)
+    reset, gy = torch.rand(90) < 0.1, torch.randn(90, 16, dtype=torch.float64)
+    outs = [block(x, reset) for block in (plain, lean)]
+    torch.testing.assert_close(outs[1], outs[0], atol=0, rtol=0)
+    grads = [torch.autograd.grad(out, [x, *block.parameters()], gy) for out, block in zip(outs, (plain, lean))]
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-12, rtol=1e-10)
+    saved = [_saved_elements(lambda block=block: block(x, reset)) for block in (plain, lean)]
+    assert saved[1] < saved[0] / 2
+
+
+def _saved_elements(fn) -> int:
+    """Elements of the distinct storages autograd saves while ``fn`` runs."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes() // t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(storages.values())
 
 
 CHAIN_LENGTHS = [1, 2, 3, 7, 70, 130]  # below d_conv - 1, across chunk boundaries

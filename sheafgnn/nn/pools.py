@@ -92,7 +92,13 @@ class _PoolDot(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, sources: Tensor) -> Tensor:
         ctx.save_for_backward(q, k, sources)
-        return torch.bmm(k[sources], q.unsqueeze(2)).squeeze(2)  # (M, P)
+        # a chunk of rows at a time: the whole (M, P, r) gather was the step's largest temporary (120 MiB
+        # per layer at 32k tokens), and a temporary that fits no hole of the heap extends it
+        rows = _pool_chunk(sources, k)
+        out = q.new_empty(sources.shape)  # (M, P)
+        for m0 in range(0, sources.size(0), rows):
+            torch.bmm(k[sources[m0 : m0 + rows]], q[m0 : m0 + rows].unsqueeze(2), out=out[m0 : m0 + rows].unsqueeze(2))
+        return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):

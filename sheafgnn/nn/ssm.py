@@ -35,6 +35,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from sheafgnn.nn.ssm_kernels import chain_conv, chain_layout, chain_starts, gated_rms_norm, ssd_scan, ssd_scan_chains
 
@@ -84,6 +85,11 @@ class SelectiveSSM(nn.Module):
             ``(x, B, C)``; ``1`` makes it pointwise. (default: :obj:`4`)
         dt_min (float, optional): smallest initial step. (default: :obj:`0.001`)
         dt_max (float, optional): largest initial step. (default: :obj:`0.1`)
+        recompute (bool, optional): in training, keep only the input projection
+            for backward and run the conv, scan, gated norm and output
+            projection again there (:func:`torch.utils.checkpoint.checkpoint`):
+            the scan's intermediates are most of the block's activations.
+            (default: :obj:`False`)
 
     Shapes:
         - **input:** x (L, D), reset (L,) bool (optional)
@@ -95,7 +101,7 @@ class SelectiveSSM(nn.Module):
 
     def __init__(self, d_model: int, d_state: int = 16, expand: int = 2,
                  headdim: int = 32, chunk_size: int = 64, *, d_conv: int = 4,
-                 dt_min: float = 0.001, dt_max: float = 0.1) -> None:
+                 dt_min: float = 0.001, dt_max: float = 0.1, recompute: bool = False) -> None:
         super().__init__()
         name = self.__class__.__name__
         for arg, value in (("d_model", d_model), ("d_state", d_state), ("expand", expand),
@@ -119,6 +125,7 @@ class SelectiveSSM(nn.Module):
         self.d_conv = d_conv
         self.dt_min = dt_min
         self.dt_max = dt_max
+        self.recompute = recompute
         self.d_inner = d_model * expand
         self.nheads = self.d_inner // headdim
         self.conv_dim = self.d_inner + 2 * d_state  # conv runs over (x, B, C)
@@ -239,23 +246,38 @@ class SelectiveSSM(nn.Module):
         starts = chain_starts(reset, L, x.device)  # (L,)
         if state is not None:
             self._check_state(state, int(starts.sum()))
-        z, xBC, dt = self._split(self.in_proj(x))  # (L, d_inner), (L, conv_dim), (L, H)
+        zxbcdt = self.in_proj(x)  # (L, d_inner + conv_dim + H)
         layout = self._layout(starts)  # shared by the conv and, with return_state, its tails
+        if state is None and not return_state:  # training: zero start, no states kept
+            if self.recompute and torch.is_grad_enabled():  # keeps the input projection only
+                return checkpoint(self._mix, zxbcdt, starts, layout, use_reentrant=False, preserve_rng_state=False)
+            return self._mix(zxbcdt, starts, layout)
+        z, xBC, dt = self._split(zxbcdt)  # (L, d_inner), (L, conv_dim), (L, H)
         window = None if state is None else state.conv.reshape(-1, self.conv_dim)  # (C * (K-1), conv_dim)
         xs, B, C = torch.split(self._conv(xBC, layout, window), [self.d_inner, N, N], dim=-1)
         xs = xs.reshape(L, H, P)  # (L, H, P)
         dt = F.softplus(dt + self.dt_bias)  # (L, H)
         A = -torch.exp(self.A_log)  # (H,)
-        if state is None and not return_state:  # training: zero start, no states kept
-            y = ssd_scan(xs, dt, A, B, C, starts, self.chunk_size)  # (L, H, P)
-        else:
-            h0 = state.ssm if state is not None else xs.new_zeros(int(starts.sum()), H, P, N)
-            y, h = ssd_scan_chains(xs, dt, A, B, C, starts, h0, self.chunk_size)  # (L, H, P), (C, H, P, N)
+        h0 = state.ssm if state is not None else xs.new_zeros(int(starts.sum()), H, P, N)
+        y, h = ssd_scan_chains(xs, dt, A, B, C, starts, h0, self.chunk_size)  # (L, H, P), (C, H, P, N)
         y = y + xs * self.D.unsqueeze(-1)  # (L, H, P)
         out = self._gate_out(y.reshape(L, self.d_inner), z)  # (L, D)
         if not return_state:
             return out
         return out, SSMState(self._conv_tails(xBC, starts, layout, window), h)
+
+    def _mix(self, zxbcdt: Tensor, starts: Tensor, layout: tuple[Tensor, int, Tensor]) -> Tensor:
+        """The training path from the input projection on (zero start, no state kept): conv, scan,
+        skip, gated norm and output projection, (L, D)."""
+        L, H, P, N = zxbcdt.size(0), self.nheads, self.headdim, self.d_state
+        z, xBC, dt = self._split(zxbcdt)
+        xs, B, C = torch.split(self._conv(xBC, layout), [self.d_inner, N, N], dim=-1)
+        xs = xs.reshape(L, H, P)  # (L, H, P)
+        dt = F.softplus(dt + self.dt_bias)  # (L, H)
+        A = -torch.exp(self.A_log)  # (H,)
+        y = ssd_scan(xs, dt, A, B, C, starts, self.chunk_size)  # (L, H, P)
+        y = y + xs * self.D.unsqueeze(-1)  # (L, H, P)
+        return self._gate_out(y.reshape(L, self.d_inner), z)  # (L, D)
 
     def _check_state(self, state: SSMState, num_chains: int) -> None:
         conv = (num_chains, self.d_conv - 1, self.conv_dim)

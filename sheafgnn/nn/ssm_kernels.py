@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+INTRA_BLOCK_ELEMENTS = 1 << 22  # (T_b, H, Q, Q) elements per block of _IntraChunk (16 MiB in float32)
+
 __all__ = [
     "chain_conv",
     "chain_conv_reference",
@@ -194,6 +196,7 @@ class _GatedRMSNorm(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, go: Tensor):
         y, z, weight, rstd, proj = ctx.saved_tensors
+        # in place wherever it can be: each (L, C) temporary of a long context may extend the heap
         sig = torch.sigmoid(z)  # (L, C)
         s = z * sig  # (L, C): SiLU(z)
         n = (y * s).mul_(rstd)  # (L, C): normalised rows
@@ -208,8 +211,8 @@ class _GatedRMSNorm(torch.autograd.Function):
         dg = gw.sub_(n.mul_(dot)).mul_(rstd)  # (L, C): d(y * SiLU(z))
         dy = dg * s if ctx.needs_input_grad[0] else None  # (L, C)
         dz = None
-        if ctx.needs_input_grad[1]:  # SiLU'(z) = sig (1 + z (1 - sig))
-            dz = dg.mul_(y).mul_(sig.mul_(1.0 + z * (1.0 - sig)))  # (L, C)
+        if ctx.needs_input_grad[1]:  # SiLU'(z) = sig (1 + z (1 - sig)) = sig (1 + z - s), built in s
+            dz = dg.mul_(y).mul_(s.neg_().add_(z).add_(1.0).mul_(sig))  # (L, C)
         return dy, dz, dw, None, dproj
 
 
@@ -238,27 +241,46 @@ class _IntraChunk(torch.autograd.Function):
         return seg.exp_()  # (T, H, Q, Q): 1 where masked
 
     @staticmethod
+    def _blocks(a_cum: Tensor) -> range:
+        """Starts of the blocks of chunks whose (T_b, H, Q, Q) temporaries hold about
+        :data:`INTRA_BLOCK_ELEMENTS` elements: at 32k tokens a whole (T, H, Q, Q) tensor is 64 MiB,
+        and each one that fits no hole of the heap extends it."""
+        T, H, Q = a_cum.shape
+        return range(0, T, max(1, INTRA_BLOCK_ELEMENTS // (H * Q * Q)))
+
+    @staticmethod
     def forward(ctx, CB: Tensor, a_cum: Tensor, keep: Tensor, xdt: Tensor) -> Tensor:
         CBm = CB * keep  # (T, Q, Q): zero outside the causal same-chain mask
-        M = _IntraChunk._decay(a_cum, keep).mul_(CBm.unsqueeze(1))  # (T, H, Q, Q)
         ctx.save_for_backward(CBm, a_cum, keep, xdt)
-        return M @ xdt  # (T, H, Q, P)
+        blocks = _IntraChunk._blocks(a_cum)
+        y = xdt.new_empty(xdt.shape)  # (T, H, Q, P)
+        for t0 in blocks:
+            t = slice(t0, t0 + blocks.step)
+            M = _IntraChunk._decay(a_cum[t], keep[t]).mul_(CBm[t].unsqueeze(1))  # (T_b, H, Q, Q)
+            torch.matmul(M, xdt[t], out=y[t])
+        return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, gy: Tensor):
         CBm, a_cum, keep, xdt = ctx.saved_tensors
-        decay = _IntraChunk._decay(a_cum, keep)  # (T, H, Q, Q)
-        dM = gy @ xdt.transpose(-1, -2)  # (T, H, Q, Q)
-        dCB = None
-        if ctx.needs_input_grad[0]:
-            dCB = (dM * decay).sum(dim=1).mul_(keep)  # (T, Q, Q)
-        M = decay.mul_(CBm.unsqueeze(1))  # (T, H, Q, Q): zero where masked
-        dxdt = M.transpose(-1, -2) @ gy if ctx.needs_input_grad[3] else None  # (T, H, Q, P)
-        da = None
-        if ctx.needs_input_grad[1]:
-            dseg = dM.mul_(M)  # (T, H, Q, Q): zero where masked
-            da = dseg.sum(dim=-1) - dseg.sum(dim=-2)  # (T, H, Q)
+        need_cb, need_a, _, need_xdt = ctx.needs_input_grad
+        dCB = torch.empty_like(CBm) if need_cb else None  # (T, Q, Q)
+        da = torch.empty_like(a_cum) if need_a else None  # (T, H, Q)
+        dxdt = torch.empty_like(xdt) if need_xdt else None  # (T, H, Q, P)
+        blocks = _IntraChunk._blocks(a_cum)
+        for t0 in blocks:
+            t = slice(t0, t0 + blocks.step)
+            decay = _IntraChunk._decay(a_cum[t], keep[t])  # (T_b, H, Q, Q)
+            dM = gy[t] @ xdt[t].transpose(-1, -2)  # (T_b, H, Q, Q)
+            if need_cb:
+                torch.sum(dM * decay, dim=1, out=dCB[t]).mul_(keep[t])  # (T_b, Q, Q)
+            M = decay.mul_(CBm[t].unsqueeze(1))  # (T_b, H, Q, Q): zero where masked
+            if need_xdt:
+                torch.matmul(M.transpose(-1, -2), gy[t], out=dxdt[t])  # (T_b, H, Q, P)
+            if need_a:
+                dseg = dM.mul_(M)  # (T_b, H, Q, Q): zero where masked
+                torch.sub(dseg.sum(dim=-1), dseg.sum(dim=-2), out=da[t])  # (T_b, H, Q)
         return dCB, da, None, dxdt
 
 

@@ -326,7 +326,7 @@ class LearnedTopology(nn.Module):
         # and so its rank among equal scores, never depends on other destinations.
         return torch.cat([sources, rule_sources], 1), torch.cat([types, rule_types], 1), blocks
 
-    def _output_selection(self, x: Tensor, q: Tensor, k: Tensor, inp: TopologyInput, previous: Tensor,
+    def _output_selection(self, x: Tensor, q: Tensor, k: Tensor, inp: TopologyInput,
                           return_candidates: bool, return_pool_read: bool, return_block_loss: bool):
         """Every output's pool (rules, content, random) in one dense (num_out, P) competition."""
         out0 = inp.outputs.start
@@ -335,7 +335,8 @@ class LearnedTopology(nn.Module):
         if self.block_scorer:  # recorded for backward only for its distillation loss
             with torch.set_grad_enabled(return_block_loss and torch.is_grad_enabled()):
                 block_query = self.block_query(x[inp.outputs])  # (num_out, r)
-                block_keys = self.block_token_keys(x[inp.tokens], previous)  # (num_tokens, r)
+                tokens = x[inp.tokens]  # (num_tokens, D)
+                block_keys = self.block_token_keys(tokens, self._previous(tokens, inp))  # (num_tokens, r)
         sources, types, blocks = self._output_pool(block_query, block_keys, inp)  # (num_out, P) each, (num_out, m)
         valid = sources >= 0
         score = self._score(pool_dot(q_out, k, sources.clamp(min=0)), types)  # (num_out, P)
@@ -413,17 +414,20 @@ class LearnedTopology(nn.Module):
         return (weight * kl).sum() / weight.sum().clamp(min=1e-12)
 
     @staticmethod
-    def _previous(x: Tensor, inp: TopologyInput) -> Tensor:
-        """(num_tokens, D) the state of the token before each token (zero at a graph's start)."""
-        tokens = x[inp.tokens]  # (num_tokens, D)
-        previous = torch.cat([tokens.new_zeros(1, tokens.size(1)), tokens[:-1]])  # (num_tokens, D)
+    def _previous(rows: Tensor, inp: TopologyInput) -> Tensor:
+        """(num_tokens, c) the row of the token before each token (zero at a graph's start), from one row
+        per token (num_tokens, c)."""
+        previous = torch.cat([rows.new_zeros(1, rows.size(1)), rows[:-1]])  # (num_tokens, c)
         return previous.masked_fill((inp.token_pos == 0).unsqueeze(1), 0.0)
 
-    def _keys(self, x: Tensor, inp: TopologyInput, previous: Tensor) -> Tensor:
-        """(N, r) keys; a token's key adds the projection of the token before it (``previous``), the
-        previous-token feature that recall needs: the value after key K is found by matching K."""
+    def _keys(self, x: Tensor, inp: TopologyInput) -> Tensor:
+        """(N, r) keys; a token's key adds the projection of the token before it, the previous-token
+        feature that recall needs: the value after key K is found by matching K. The projection is
+        row-wise without bias, so the projected tokens are shifted, not the (num_tokens, D) states
+        (which autograd would keep for the projection's backward)."""
         k = self.key(x)  # (N, r)
-        return torch.cat([k[: inp.tokens.start], k[inp.tokens] + self.key_previous(previous), k[inp.tokens.stop :]])
+        k_tok = k[inp.tokens] + self._previous(self.key_previous(x[inp.tokens]), inp)  # (num_tokens, r)
+        return torch.cat([k[: inp.tokens.start], k_tok, k[inp.tokens.stop :]])
 
     def block_token_keys(self, tokens: Tensor, previous: Tensor) -> Tensor:
         """(T, r) the block scorer's keys of tokens with states ``tokens`` (T, D), the token before each
@@ -432,11 +436,10 @@ class LearnedTopology(nn.Module):
 
     def forward(self, x: Tensor, inp: TopologyInput, return_candidates: bool = False,
                 return_pool_read: bool = False, return_block_loss: bool = False) -> Selection:
-        previous = self._previous(x, inp)  # (num_tokens, D)
-        q, k = self.query(x), self._keys(x, inp, previous)  # (N, r) each
+        q, k = self.query(x), self._keys(x, inp)  # (N, r) each
         patch, patch_pool, patch_types = self._patch_selection(q, k, inp, return_candidates)
         output, output_pool, output_types, pool_read, block_loss = self._output_selection(
-            x, q, k, inp, previous, return_candidates, return_pool_read, return_block_loss)
+            x, q, k, inp, return_candidates, return_pool_read, return_block_loss)
         src, dst, edge_type, weight, score = (torch.cat([a, b]) for a, b in zip(patch, output))
         ptr = ptr_from_index(dst, x.size(0))
         num_candidates = torch.bincount(torch.cat([patch_types, output_types]), minlength=self.num_edge_types)
