@@ -329,7 +329,8 @@ def test_block_distillation_by_hand():
     topo = LearnedTopology(6, 3, len(FLAT_TYPES), k=2, rank=3, content_blocks=m, block_size=B,
                            block_scorer=True).double()
     x = torch.randn(2 * n, 6, dtype=torch.float64)
-    query, keys = topo.block_query(x[inp.outputs]), topo.block_token_keys(x[inp.tokens], topo._previous(x[inp.tokens], inp))
+    tokens = x[inp.tokens]
+    query, keys = topo.block_query(x[inp.outputs]), topo.block_token_keys(tokens, topo._previous(tokens, inp))
     blocks = content_blocks(query, keys, inp.token_pos, inp.token_graph_start, B, m)  # (n, m)
     score = torch.randn(n, m * B + 3, dtype=torch.float64)
     score[:, : m * B][blocks.repeat_interleave(B, 1) < 0] = float("-inf")  # no tokens where no block
