@@ -179,21 +179,21 @@ class SheafBlock(nn.Module):
 
     def forward(self, h: Tensor, site: FlatSite, extras: Extras = Extras()) -> tuple[Tensor, dict]:
         if not self.gluing:
-            h_tok = h + self.phi_token(self.norm_token(h), site.token_reset)  # (num_tokens, D)
+            h_tok = h + self.phi_token(h, site.token_reset, norm=self.norm_token)  # (num_tokens, D)
             update, balance = self.experts(h_tok, [0, h_tok.size(0)], self.norm_expert)
             return h_tok + update, {"balance": balance}
         # Split, not slices: a split's backward is one cat, a slice's zero-fills an (N, D) gradient.
         sizes = [site.tokens.stop, site.patches.stop - site.patches.start, site.outputs.stop - site.outputs.start]
         h_tok, h_patch, h_out = h.split(sizes)  # (num_tokens, D), (num_patches, D), (num_tokens, D)
-        # The norm keeps its input for backward: a copy of the token rows, not a view that would keep all of h
-        h_tok = h_tok + self.phi_token(self.norm_token(h_tok.clone()), site.token_reset)
+        # The fused norm keeps its input for backward: a copy of the token rows, not a view that would keep all of h
+        h_tok = h_tok + self.phi_token(h_tok.clone(), site.token_reset, norm=self.norm_token)
         # Pool: each patch gets the mean of the token states it covers.
         # index_select, not indexing: its backward is an index_add (half the time of an accumulating put)
         pooled = segment_mean(h_tok.index_select(0, site.cover_src), site.cover_ptr)  # (num_patches, D)
         h_patch = h_patch + self.pool(pooled)
         num_chained = site.chained.stop - site.chained.start
         h_chain, h_unchained = h_patch.split([num_chained, h_patch.size(0) - num_chained])
-        h_chain = h_chain + self.phi_patch(self.norm_patch(h_chain), site.chain_reset)  # Phi along each chain
+        h_chain = h_chain + self.phi_patch(h_chain, site.chain_reset, norm=self.norm_patch)  # Phi along each chain
         # Output t reads token t: its state starts from the token's (the 'token reads output' edge).
         h = torch.cat([h_tok, h_chain, h_unchained, h_out + h_tok])  # (N, D)
 

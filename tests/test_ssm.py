@@ -5,6 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sheafgnn.nn import ssm_kernels
+from sheafgnn.nn.norm_linear import norm_linear, norm_linear_reference
 from sheafgnn.nn.ssm import SelectiveSSM, SSMState
 from sheafgnn.nn.ssm_kernels import chain_conv, chain_conv_reference, gated_rms_norm, ssd_scan, ssd_scan_sequential
 
@@ -446,3 +447,33 @@ def test_bad_state_shapes():
         block(x, chain_stream([2, 3]), state=state)
     with pytest.raises(ValueError, match="one entry per chain"):
         block(x, state=SSMState(state.conv[:1, :1], state.ssm[:1]))
+
+
+def test_norm_linear_matches_the_composition_and_keeps_no_normed_rows():
+    torch.manual_seed(0)
+    norm, linear = torch.nn.LayerNorm(6).double(), torch.nn.Linear(6, 9).double()
+    torch.nn.init.normal_(norm.weight)  # not the identity init, so that the norm's gradients are checked too
+    torch.nn.init.normal_(norm.bias)
+    x = torch.randn(11, 6, dtype=torch.float64, requires_grad=True)
+    fused, plain = norm_linear(x, norm, linear), norm_linear_reference(x, norm, linear)
+    torch.testing.assert_close(fused, plain)
+    wrt, grad = [x, *norm.parameters(), *linear.parameters()], torch.randn(11, 9, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad(fused, wrt, grad), torch.autograd.grad(plain, wrt, grad), strict=True):
+        torch.testing.assert_close(a, b)
+    torch.autograd.gradcheck(lambda *t: norm_linear(t[0], norm, linear), (x,))
+    weights = sum(p.numel() for p in [norm.weight, norm.bias, linear.weight])
+    assert _saved_elements(lambda: norm_linear(x, norm, linear)) == x.numel() + 2 * 11 + weights  # x, mean, 1/std
+    assert _saved_elements(lambda: norm_linear_reference(x, norm, linear)) > x.numel() * 2
+
+
+def test_ssm_with_the_callers_norm_equals_the_normed_input():
+    block, norm = make_block(), torch.nn.LayerNorm(16).double()
+    torch.nn.init.normal_(norm.weight)
+    torch.manual_seed(5)
+    x = torch.randn(40, 16, dtype=torch.float64, requires_grad=True)
+    reset = torch.rand(40) < 0.1
+    fused, plain = block(x, reset, norm=norm), block(norm(x), reset)
+    torch.testing.assert_close(fused, plain)
+    wrt = [x, *norm.parameters(), *block.parameters()]
+    for a, b in zip(torch.autograd.grad(fused.sum(), wrt), torch.autograd.grad(plain.sum(), wrt), strict=True):
+        torch.testing.assert_close(a, b)

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from sheafgnn.nn.norm_linear import layer_norm_stats, norm_grads, renorm
+
 
 def feed_forward_reference(x: Tensor, fc_weight: Tensor, fc_bias: Tensor, proj_weight: Tensor,
                            proj_bias: Tensor, norm_weight: Tensor | None = None, norm_bias: Tensor | None = None,
@@ -46,7 +48,7 @@ class _LeanFeedForward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, fc_weight: Tensor, fc_bias: Tensor, proj_weight: Tensor, proj_bias: Tensor,
                 norm_weight: Tensor | None, norm_bias: Tensor | None, eps: float) -> Tensor:
-        xn, mean, rstd = _norm(x, norm_weight, norm_bias, eps)  # (n, C), (n, 1), (n, 1)
+        xn, mean, rstd = layer_norm_stats(x, norm_weight, norm_bias, eps)  # (n, C), (n, 1), (n, 1)
         ctx.save_for_backward(x, mean, rstd, norm_weight, norm_bias, fc_weight, fc_bias, proj_weight)
         out = x.new_empty(x.size(0), proj_weight.size(0))  # (n, C)
         for r in _row_chunks(x):
@@ -66,7 +68,7 @@ class _LeanFeedForward(torch.autograd.Function):
         grad_fc_b = torch.zeros_like(fc_bias) if need_fc_b else None
         grad_xn = torch.empty_like(x) if need_u else None  # (n, C): the gradient at the normed rows
         for r in _row_chunks(x):
-            xn = (x[r] - mean[r]).mul_(rstd[r]).mul_(norm_weight).add_(norm_bias) if normed else x[r]  # (m, C)
+            xn = renorm(x[r], mean[r], rstd[r], norm_weight, norm_bias) if normed else x[r]  # (m, C)
             u = F.linear(xn, fc_weight, fc_bias)  # (m, hidden)
             g = grad_out[r]  # (m, C)
             if need_proj_w:
@@ -80,16 +82,9 @@ class _LeanFeedForward(torch.autograd.Function):
                 torch.mm(grad_u, fc_weight, out=grad_xn[r])
         grad_x, grad_norm_w, grad_norm_b = grad_xn, None, None
         if normed and need_u:
-            grad_x, grad_norm_w, grad_norm_b = torch.ops.aten.native_layer_norm_backward(
-                grad_xn, x, [x.size(1)], mean, rstd, norm_weight, norm_bias, [need_x, need_norm_w, need_norm_b])
+            grad_x, grad_norm_w, grad_norm_b = norm_grads(grad_xn, x, mean, rstd, norm_weight, norm_bias,
+                                                          [need_x, need_norm_w, need_norm_b])
         return grad_x, grad_fc_w, grad_fc_b, grad_proj_w, grad_proj_b, grad_norm_w, grad_norm_b, None
-
-
-def _norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """(layer_norm(x), per-row mean, per-row 1/std); ``x`` and empty statistics without a norm."""
-    if weight is None:
-        return x, x.new_empty(0), x.new_empty(0)
-    return torch.native_layer_norm(x, [x.size(1)], weight, bias, eps)
 
 
 class FeedForward(nn.Module):

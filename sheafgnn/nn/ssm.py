@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from sheafgnn.nn.norm_linear import norm_linear
 from sheafgnn.nn.ssm_kernels import chain_conv, chain_layout, chain_starts, gated_rms_norm, ssd_scan, ssd_scan_chains
 
 __all__ = ["SSMState", "SelectiveSSM"]
@@ -216,7 +217,7 @@ class SelectiveSSM(nn.Module):
         return proj(gated_rms_norm(y, z, norm.weight, eps))
 
     def forward(self, x: Tensor, reset: Tensor | None = None, state: SSMState | None = None,
-                return_state: bool = False) -> Tensor | tuple[Tensor, SSMState]:
+                return_state: bool = False, norm: nn.LayerNorm | None = None) -> Tensor | tuple[Tensor, SSMState]:
         r"""Scan every chain of the flat stream ``x`` in parallel.
 
         Args:
@@ -229,6 +230,9 @@ class SelectiveSSM(nn.Module):
             return_state (bool, optional): also return every chain's state after its
                 last element, an :class:`SSMState` with one entry per chain, to continue
                 with :meth:`step` or another call. (default: :obj:`False`)
+            norm (LayerNorm, optional): the caller's norm of ``x``, fused into the
+                input projection (:func:`~sheafgnn.nn.norm_linear.norm_linear`: autograd
+                keeps ``x``, not the normed rows). (default: :obj:`None`, ``x`` as given)
         """
         if x.dim() != 2 or x.size(-1) != self.d_model:
             raise ValueError(f"{self.__class__.__name__}: x must have shape (L, {self.d_model}) "
@@ -246,7 +250,7 @@ class SelectiveSSM(nn.Module):
         starts = chain_starts(reset, L, x.device)  # (L,)
         if state is not None:
             self._check_state(state, int(starts.sum()))
-        zxbcdt = self.in_proj(x)  # (L, d_inner + conv_dim + H)
+        zxbcdt = self.in_proj(x) if norm is None else norm_linear(x, norm, self.in_proj)  # (L, d_inner + conv_dim + H)
         layout = self._layout(starts)  # shared by the conv and, with return_state, its tails
         if state is None and not return_state:  # training: zero start, no states kept
             if self.recompute and torch.is_grad_enabled():  # keeps the input projection only
