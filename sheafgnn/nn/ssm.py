@@ -264,7 +264,7 @@ class SelectiveSSM(nn.Module):
         A = -torch.exp(self.A_log)  # (H,)
         h0 = state.ssm if state is not None else xs.new_zeros(int(starts.sum()), H, P, N)
         y, h = ssd_scan_chains(xs, dt, A, B, C, starts, h0, self.chunk_size)  # (L, H, P), (C, H, P, N)
-        y = y + xs * self.D.unsqueeze(-1)  # (L, H, P)
+        y = torch.addcmul(y, xs, self.D.unsqueeze(-1))  # (L, H, P): y + D x
         out = self._gate_out(y.reshape(L, self.d_inner), z)  # (L, D)
         if not return_state:
             return out
@@ -280,7 +280,7 @@ class SelectiveSSM(nn.Module):
         dt = F.softplus(dt + self.dt_bias)  # (L, H)
         A = -torch.exp(self.A_log)  # (H,)
         y = ssd_scan(xs, dt, A, B, C, starts, self.chunk_size)  # (L, H, P)
-        y = y + xs * self.D.unsqueeze(-1)  # (L, H, P)
+        y = torch.addcmul(y, xs, self.D.unsqueeze(-1))  # (L, H, P): y + D x
         return self._gate_out(y.reshape(L, self.d_inner), z)  # (L, D)
 
     def _check_state(self, state: SSMState, num_chains: int) -> None:

@@ -187,7 +187,8 @@ class _GatedRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y: Tensor, z: Tensor, weight: Tensor, eps: float, proj: Tensor | None) -> Tensor:
         g = F.silu(z).mul_(y)  # (L, C)
-        rstd = torch.rsqrt(g.square().mean(dim=-1, keepdim=True).add_(eps))  # (L, 1)
+        # the mean square from the row norm: no (L, C) temporary of squares
+        rstd = torch.linalg.vector_norm(g, dim=-1, keepdim=True).square_().div_(g.size(-1)).add_(eps).rsqrt_()  # (L, 1)
         ctx.save_for_backward(y, z, weight, rstd, proj)
         out = g.mul_(rstd).mul_(weight)  # (L, C)
         return out if proj is None else out @ proj.t()  # (L, C) or (L, D)
