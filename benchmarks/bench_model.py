@@ -14,6 +14,7 @@
 5. Sheaf against dense at 32k tokens in the same run, at the compare's
    matched sizes (sheaf d_model 128, dense matched within 10%, 2 layers):
    forward+backward time and peak extra memory, and the sheaf model again with
+   ``recompute_ssm`` (each SSM's scan recomputed in backward) and with
    ``checkpoint_blocks`` (each block recomputed in backward); each model in a
    fresh process (:func:`fwd_bwd`), as in step 5b.
    5b. Sheaf at twice that (64k) against dense *estimated* there from
@@ -182,20 +183,24 @@ def fwd_bwd_here(kind: str, n: int, repeats: int, extra: dict, memory: bool) -> 
 
 def sheaf_vs_dense(n: int, repeats: int) -> dict:
     """Forward+backward time (best of ``repeats``) and peak extra memory of one n-token window (after a warm-up step),
-    sheaf (without and with ``checkpoint_blocks``) against dense at matched parameters."""
+    sheaf (as built, with ``recompute_ssm`` and with ``checkpoint_blocks``) against dense at matched parameters."""
     options, counts = compare_options()
     out = {"n": n, "params": {k: counts[k] for k in ("sheaf", "dense")},
            "d_model": {k: options[k]["d_model"] for k in ("sheaf", "dense")}}
-    runs = (("sheaf", "sheaf", {}), ("sheaf_checkpoint", "sheaf", {"checkpoint_blocks": True}),
-            ("dense", "dense", {}))
+    runs = (("sheaf", "sheaf", {}), ("sheaf_recompute_ssm", "sheaf", {"recompute_ssm": True}),
+            ("sheaf_checkpoint", "sheaf", {"checkpoint_blocks": True}), ("dense", "dense", {}))
     for name, kind, extra in runs:
         row = fwd_bwd(kind, n, repeats, extra)
         out[f"{name}_s"], out[f"{name}_peak_extra_bytes"] = row["s"], row["peak_extra_bytes"]
         print(f"  {name:<16} n={n}: {row['s']:.2f} s, {row['peak_extra_bytes'] / 2**20:,.0f} MiB", flush=True)
     out["dense_over_sheaf"] = out["dense_s"] / out["sheaf_s"]
     out["sheaf_over_dense_memory"] = out["sheaf_peak_extra_bytes"] / out["dense_peak_extra_bytes"]
-    out["checkpoint_over_plain"] = {"time": out["sheaf_checkpoint_s"] / out["sheaf_s"],
-                                    "memory": out["sheaf_checkpoint_peak_extra_bytes"] / out["sheaf_peak_extra_bytes"]}
+    for name in ("recompute_ssm", "checkpoint"):
+        out[f"{name}_over_plain"] = {"time": out[f"sheaf_{name}_s"] / out["sheaf_s"],
+                                     "memory": out[f"sheaf_{name}_peak_extra_bytes"] / out["sheaf_peak_extra_bytes"]}
+    out["dense_over_sheaf_recompute_ssm"] = out["dense_s"] / out["sheaf_recompute_ssm_s"]
+    out["sheaf_recompute_ssm_over_dense_memory"] = (out["sheaf_recompute_ssm_peak_extra_bytes"]
+                                                    / out["dense_peak_extra_bytes"])
     return out
 
 
@@ -403,7 +408,9 @@ def main() -> None:
     print(f"5. sheaf vs dense at {args.compare_n} tokens, matched parameters")
     versus = sheaf_vs_dense(args.compare_n, args.repeats)
     print(f"  dense / sheaf: {versus['dense_over_sheaf']:.2f}x time, sheaf / dense memory "
-          f"{versus['sheaf_over_dense_memory']:.2f}; checkpoint_blocks / plain: "
+          f"{versus['sheaf_over_dense_memory']:.2f}; with recompute_ssm: "
+          f"{versus['dense_over_sheaf_recompute_ssm']:.2f}x time, memory "
+          f"{versus['sheaf_recompute_ssm_over_dense_memory']:.2f}; checkpoint_blocks / plain: "
           f"time {versus['checkpoint_over_plain']['time']:.2f}, memory {versus['checkpoint_over_plain']['memory']:.2f}")
 
     long_n = 2 * args.compare_n
@@ -436,6 +443,10 @@ def main() -> None:
                           "sheaf_8x_dense_at_32k": versus["dense_over_sheaf"] >= 8.0,
                           "sheaf_15x_dense_at_64k_dense_estimated": versus_long["dense_over_sheaf"] >= 15.0,
                           "sheaf_memory_at_most_dense_at_32k": versus["sheaf_over_dense_memory"] <= 1.0,
+                          # the same model trained with recompute_ssm: its memory, and its speed in the same run
+                          "sheaf_recompute_ssm_memory_at_most_dense_at_32k":
+                              versus["sheaf_recompute_ssm_over_dense_memory"] <= 1.0,
+                          "sheaf_recompute_ssm_8x_dense_at_32k": versus["dense_over_sheaf_recompute_ssm"] >= 8.0,
                           "sheaf_training_tokens_per_s_at_least_dense_at_1k": training["sheaf_over_dense"] >= 1.0},
               "sheafconv": conv, "segment_backends": seg, "content_proposals": proposals,
               "sheaf_vs_dense": versus, "sheaf_vs_dense_long": versus_long, "gluing": gluing, "training": training}
