@@ -227,10 +227,14 @@ SPMM_PATHS = ["torch"] + (["torch_scatter"] if HAS_TORCH_SCATTER and HAS_TORCH_S
 
 
 @pytest.mark.parametrize("backend", SPMM_PATHS)
-def test_pool_dot_equals_the_gathered_dot_products(monkeypatch, backend):
-    """pool_dot (backward: the keys gathered again and an index_add, or two SpMMs) equals the plain
-    gather-mul-sum in value and gradients (gradcheck in float64), repeated sources included."""
+@pytest.mark.parametrize("chunk_elements", [None, 40])
+def test_pool_dot_equals_the_gathered_dot_products(monkeypatch, backend, chunk_elements):
+    """pool_dot (forward a chunk of rows at a time; backward: the keys gathered again and an index_add,
+    or two SpMMs) equals the plain gather-mul-sum in value and gradients (gradcheck in float64), repeated
+    sources included."""
     monkeypatch.setattr(segment_module, "_backend", backend)
+    if chunk_elements is not None:  # 6 rows of 5 x 4 gathered elements in chunks of 2 rows
+        monkeypatch.setattr(pools_module, "POOL_CHUNK_ELEMENTS", chunk_elements)
     torch.manual_seed(0)
     q = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
     k = torch.randn(9, 4, dtype=torch.float64, requires_grad=True)
