@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sheafgnn.nn.norm_linear import layer_norm_stats, norm_grads, renorm
+from sheafgnn.nn.norm_linear import fusable_norm, layer_norm_stats, norm_grads, renorm
 
 
 def feed_forward_reference(x: Tensor, fc_weight: Tensor, fc_bias: Tensor, proj_weight: Tensor,
@@ -61,12 +61,13 @@ class _LeanFeedForward(torch.autograd.Function):
         x, mean, rstd, norm_weight, norm_bias, fc_weight, fc_bias, proj_weight = ctx.saved_tensors
         need_x, need_fc_w, need_fc_b, need_proj_w, need_proj_b, need_norm_w, need_norm_b, _ = ctx.needs_input_grad
         normed = norm_weight is not None
-        need_u = need_x or need_fc_w or need_fc_b or need_norm_w or need_norm_b
+        need_xn = need_x or need_norm_w or need_norm_b  # the gradient at the normed rows
+        need_u = need_xn or need_fc_w or need_fc_b
         grad_proj_w = torch.zeros_like(proj_weight) if need_proj_w else None  # (C, hidden)
         grad_proj_b = grad_out.sum(0) if need_proj_b else None
         grad_fc_w = torch.zeros_like(fc_weight) if need_fc_w else None  # (hidden, C)
         grad_fc_b = torch.zeros_like(fc_bias) if need_fc_b else None
-        grad_xn = torch.empty_like(x) if need_u else None  # (n, C): the gradient at the normed rows
+        grad_xn = torch.empty_like(x) if need_xn else None  # (n, C)
         for r in _row_chunks(x):
             xn = renorm(x[r], mean[r], rstd[r], norm_weight, norm_bias) if normed else x[r]  # (m, C)
             u = F.linear(xn, fc_weight, fc_bias)  # (m, hidden)
@@ -79,9 +80,10 @@ class _LeanFeedForward(torch.autograd.Function):
                     grad_fc_w.addmm_(grad_u.t(), xn)
                 if need_fc_b:
                     grad_fc_b += grad_u.sum(0)
-                torch.mm(grad_u, fc_weight, out=grad_xn[r])
+                if need_xn:
+                    torch.mm(grad_u, fc_weight, out=grad_xn[r])
         grad_x, grad_norm_w, grad_norm_b = grad_xn, None, None
-        if normed and need_u:
+        if normed and need_xn:
             grad_x, grad_norm_w, grad_norm_b = norm_grads(grad_xn, x, mean, rstd, norm_weight, norm_bias,
                                                           [need_x, need_norm_w, need_norm_b])
         return grad_x, grad_fc_w, grad_fc_b, grad_proj_w, grad_proj_b, grad_norm_w, grad_norm_b, None
@@ -104,7 +106,7 @@ class FeedForward(nn.Module):
     def forward(self, x: Tensor, norm: nn.LayerNorm | None = None) -> Tensor:
         fc, proj = self.fc, self.proj
         if torch.is_grad_enabled() and type(fc) is nn.Linear and type(proj) is nn.Linear and \
-                (norm is None or norm.elementwise_affine and norm.bias is not None):
+                (norm is None or fusable_norm(norm)):
             args = (None, None, 0.0) if norm is None else (norm.weight, norm.bias, norm.eps)
             return _LeanFeedForward.apply(x, fc.weight, fc.bias, proj.weight, proj.bias, *args)
         return proj(F.gelu(fc(x if norm is None else norm(x))))

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["layer_norm_stats", "norm_grads", "norm_linear", "norm_linear_reference", "renorm"]
+__all__ = ["fusable_norm", "layer_norm_stats", "norm_grads", "norm_linear", "norm_linear_reference", "renorm"]
 
 
 def layer_norm_stats(x: Tensor, weight: Tensor | None, bias: Tensor | None,
@@ -65,6 +65,11 @@ class _NormLinear(torch.autograd.Function):
         return grad_x, grad_nw, grad_nb, None, grad_w, grad_b
 
 
+def fusable_norm(norm: nn.Module) -> bool:
+    """Whether ``norm`` is what the fused functions rebuild: an affine :class:`~torch.nn.LayerNorm` with bias."""
+    return type(norm) is nn.LayerNorm and norm.elementwise_affine and norm.bias is not None
+
+
 def norm_linear_reference(x: Tensor, norm: nn.LayerNorm, linear: nn.Linear) -> Tensor:
     """The plain composition ``linear(norm(x))``."""
     return linear(norm(x))
@@ -79,8 +84,6 @@ def norm_linear(x: Tensor, norm: nn.LayerNorm, linear: nn.Linear) -> Tensor:
         - **input:** x (n, C)
         - **output:** (n, out)
     """
-    fusable = (type(linear) is nn.Linear and type(norm) is nn.LayerNorm and norm.elementwise_affine
-               and norm.bias is not None and x.dim() == 2)
-    if not (fusable and torch.is_grad_enabled()):
+    if not (type(linear) is nn.Linear and fusable_norm(norm) and x.dim() == 2 and torch.is_grad_enabled()):
         return norm_linear_reference(x, norm, linear)
     return _NormLinear.apply(x, norm.weight, norm.bias, norm.eps, linear.weight, linear.bias)

@@ -258,14 +258,10 @@ class SelectiveSSM(nn.Module):
             return self._mix(zxbcdt, starts, layout)
         z, xBC, dt = self._split(zxbcdt)  # (L, d_inner), (L, conv_dim), (L, H)
         window = None if state is None else state.conv.reshape(-1, self.conv_dim)  # (C * (K-1), conv_dim)
-        xs, B, C = torch.split(self._conv(xBC, layout, window), [self.d_inner, N, N], dim=-1)
-        xs = xs.reshape(L, H, P)  # (L, H, P)
-        dt = F.softplus(dt + self.dt_bias)  # (L, H)
-        A = -torch.exp(self.A_log)  # (H,)
+        xs, dt, A, B, C = self._scan_inputs(xBC, dt, layout, window)
         h0 = state.ssm if state is not None else xs.new_zeros(int(starts.sum()), H, P, N)
         y, h = ssd_scan_chains(xs, dt, A, B, C, starts, h0, self.chunk_size)  # (L, H, P), (C, H, P, N)
-        y = torch.addcmul(y, xs, self.D.unsqueeze(-1))  # (L, H, P): y + D x
-        out = self._gate_out(y.reshape(L, self.d_inner), z)  # (L, D)
+        out = self._skip_gate_out(y, xs, z)  # (L, D)
         if not return_state:
             return out
         return out, SSMState(self._conv_tails(xBC, starts, layout, window), h)
@@ -273,15 +269,23 @@ class SelectiveSSM(nn.Module):
     def _mix(self, zxbcdt: Tensor, starts: Tensor, layout: tuple[Tensor, int, Tensor]) -> Tensor:
         """The training path from the input projection on (zero start, no state kept): conv, scan,
         skip, gated norm and output projection, (L, D)."""
-        L, H, P, N = zxbcdt.size(0), self.nheads, self.headdim, self.d_state
         z, xBC, dt = self._split(zxbcdt)
-        xs, B, C = torch.split(self._conv(xBC, layout), [self.d_inner, N, N], dim=-1)
-        xs = xs.reshape(L, H, P)  # (L, H, P)
+        xs, dt, A, B, C = self._scan_inputs(xBC, dt, layout)
+        return self._skip_gate_out(ssd_scan(xs, dt, A, B, C, starts, self.chunk_size), xs, z)  # (L, D)
+
+    def _scan_inputs(self, xBC: Tensor, dt: Tensor, layout: tuple[Tensor, int, Tensor],
+                     window: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """The scan's inputs from the conv input and the raw steps: xs (L, H, P), dt (L, H) after the
+        softplus, A (H,), B and C (L, N)."""
+        N = self.d_state
+        xs, B, C = torch.split(self._conv(xBC, layout, window), [self.d_inner, N, N], dim=-1)
         dt = F.softplus(dt + self.dt_bias)  # (L, H)
-        A = -torch.exp(self.A_log)  # (H,)
-        y = ssd_scan(xs, dt, A, B, C, starts, self.chunk_size)  # (L, H, P)
+        return xs.reshape(xs.size(0), self.nheads, self.headdim), dt, -torch.exp(self.A_log), B, C
+
+    def _skip_gate_out(self, y: Tensor, xs: Tensor, z: Tensor) -> Tensor:
+        """The scan's output ``y`` (L, H, P) plus the skip ``D x``, gated, normed and projected: (L, D)."""
         y = torch.addcmul(y, xs, self.D.unsqueeze(-1))  # (L, H, P): y + D x
-        return self._gate_out(y.reshape(L, self.d_inner), z)  # (L, D)
+        return self._gate_out(y.reshape(y.size(0), self.d_inner), z)
 
     def _check_state(self, state: SSMState, num_chains: int) -> None:
         conv = (num_chains, self.d_conv - 1, self.conv_dim)
