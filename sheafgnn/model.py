@@ -10,7 +10,7 @@ C, J    the site: typed patches and which cover which    sheafgnn/site/builder.p
 F       stalks: d stalk dims x f channels on each node   sheafgnn/nn/sheaf.py: ``SheafConv``
                                                          (``stalk_dim`` d, ``channels`` f)
 Phi     selective SSM along each chain of states         sheafgnn/nn/ssm.py: ``SelectiveSSM``
-                                                         (scan kernels in sheafgnn/nn/ssm_kernels.py)
+                                                         (scan in sheafgnn/nn/ssd.py, conv and norm in ssm_kernels.py)
 G       sheaf gluing with learned restriction maps       sheafgnn/nn/sheaf.py: ``SheafConv``, along the
         along a learned, competitive topology            edges that sheafgnn/nn/topology.py:
                                                          ``LearnedTopology`` chooses

@@ -4,10 +4,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sheafgnn.nn import ssm_kernels
+from sheafgnn.nn import ssd, ssm_kernels
 from sheafgnn.nn.norm_linear import norm_linear, norm_linear_reference
+from sheafgnn.nn.ssd import ssd_scan, ssd_scan_sequential
 from sheafgnn.nn.ssm import SelectiveSSM, SSMState
-from sheafgnn.nn.ssm_kernels import chain_conv, chain_conv_reference, gated_rms_norm, ssd_scan, ssd_scan_sequential
+from sheafgnn.nn.ssm_kernels import chain_conv, chain_conv_reference, gated_rms_norm
 
 
 def scan_inputs(L, H=3, P=4, N=5, p_reset=0.15, dtype=torch.float64, seed=0):
@@ -38,7 +39,7 @@ def chain_stream(lengths):
 @pytest.mark.parametrize("chunks_per_block", [None, 2])
 def test_scan_matches_sequential_forward_and_grad(L, chunk, use_reset, chunks_per_block, monkeypatch):
     if chunks_per_block is not None:  # the intra-chunk term in blocks of chunks, the last one short
-        monkeypatch.setattr(ssm_kernels, "INTRA_BLOCK_ELEMENTS", chunks_per_block * 3 * chunk * chunk)
+        monkeypatch.setattr(ssd, "INTRA_BLOCK_ELEMENTS", chunks_per_block * 3 * chunk * chunk)
     torch.manual_seed(0)
     x, dt, A, B, C, reset = scan_inputs(L, seed=L)
     reset = reset if use_reset else None
@@ -171,7 +172,9 @@ def test_scan_rejects_bad_shapes():
 
 @pytest.mark.parametrize("K", [1, 2, 4])
 @pytest.mark.parametrize("with_window", [False, True])
-def test_chain_conv_matches_its_reference(K, with_window):
+@pytest.mark.parametrize("block_rows", [3, 8192])
+def test_chain_conv_matches_its_reference(K, with_window, block_rows, monkeypatch):
+    monkeypatch.setattr(ssm_kernels, "CONV_BLOCK_ROWS", block_rows)  # 3: the backward runs in blocks
     g = torch.Generator().manual_seed(8)
     C = 5
     block = SelectiveSSM(8, headdim=8, d_conv=K)

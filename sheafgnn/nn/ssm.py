@@ -23,8 +23,8 @@ chain starts. State never crosses a chain start.
       y = RMSNorm(y * SiLU(z)) ............... (L, I)
       out_proj ............................... (L, D)
 
-The scan, its sequential reference and the fused conv and gated-norm ops
-are in :mod:`sheafgnn.nn.ssm_kernels`. ``SelectiveSSM.step`` runs the same
+The scan and its sequential reference are in :mod:`sheafgnn.nn.ssd`, the fused
+conv and gated-norm ops in :mod:`sheafgnn.nn.ssm_kernels`. ``SelectiveSSM.step`` runs the same
 block recurrently, O(1) per token, for generation.
 """
 from __future__ import annotations
@@ -38,7 +38,8 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from sheafgnn.nn.norm_linear import norm_linear
-from sheafgnn.nn.ssm_kernels import chain_conv, chain_layout, chain_starts, gated_rms_norm, ssd_scan, ssd_scan_chains
+from sheafgnn.nn.ssd import chain_starts, ssd_scan, ssd_scan_chains
+from sheafgnn.nn.ssm_kernels import chain_conv, chain_layout, gated_rms_norm
 
 __all__ = ["SSMState", "SelectiveSSM"]
 
