@@ -59,6 +59,18 @@ def test_scan_matches_sequential_forward_and_grad(L, chunk, use_reset, chunks_pe
         torch.testing.assert_close(got, want, atol=1e-9, rtol=1e-7, msg=name)
 
 
+def test_scan_saves_only_its_inputs_and_the_chunk_states():
+    L, chunk = 192, 16
+    leaves = [t.requires_grad_() for t in scan_inputs(L, seed=5)[:5]]  # x (L, 3, 4), dt, A, B, C (L, 5)
+    reset = scan_inputs(L, seed=5)[5]
+    saved = _saved_elements(lambda: ssd_scan(*leaves, reset, chunk))
+    inputs = sum(t.numel() for t in leaves) + L  # and the chain starts
+    chunk_states = (L // chunk + 1) * 3 * 4 * 5  # (T, H, P, N), one more where the odd-even scan pads T
+    assert saved <= inputs + chunk_states
+    # through plain autograd the chunked terms are kept too: several times more
+    assert _saved_elements(lambda: ssd._scan_chunks(*leaves, reset, chunk)[0]) > 3 * saved
+
+
 @pytest.mark.parametrize("pattern", ["every", "chunk_edges", "last", "pairs"])
 def test_scan_reset_edge_cases(pattern):
     L, chunk = 33, 8

@@ -89,9 +89,9 @@ class SelectiveSSM(nn.Module):
         dt_max (float, optional): largest initial step. (default: :obj:`0.1`)
         recompute (bool, optional): in training, keep only the input projection
             for backward and run the conv, scan, gated norm and output
-            projection again there (:func:`torch.utils.checkpoint.checkpoint`):
-            the scan's intermediates are most of the block's activations.
-            (default: :obj:`False`)
+            projection again there (:func:`torch.utils.checkpoint.checkpoint`);
+            without it the block keeps the conv output, the scan's inputs and chunk-end
+            states, and the gated norm's input. (default: :obj:`False`)
 
     Shapes:
         - **input:** x (L, D), reset (L,) bool (optional)
