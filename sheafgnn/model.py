@@ -54,7 +54,7 @@ from sheafgnn.nn.experts import PatchExperts
 from sheafgnn.nn.proposals import BLOCK_SUMMARIES
 from sheafgnn.nn.quant import apply_quant, validate_quant
 from sheafgnn.nn.readout import readout_cross_entropy
-from sheafgnn.nn.segment import ptr_from_index, segment_mean
+from sheafgnn.nn.segment import gather_segment_mean, ptr_from_index
 from sheafgnn.nn.sheaf import SheafConv
 from sheafgnn.nn.ssm import SelectiveSSM
 from sheafgnn.nn.topology import LearnedTopology, Selection, TopologyInput
@@ -189,8 +189,7 @@ class SheafBlock(nn.Module):
         # The fused norm keeps its input for backward: a copy of the token rows, not a view that would keep all of h
         h_tok = h_tok + self.phi_token(h_tok.clone(), site.token_reset, norm=self.norm_token)
         # Pool: each patch gets the mean of the token states it covers.
-        # index_select, not indexing: its backward is an index_add (half the time of an accumulating put)
-        pooled = segment_mean(h_tok.index_select(0, site.cover_src), site.cover_ptr)  # (num_patches, D)
+        pooled = gather_segment_mean(h_tok, site.cover_src, site.cover_ptr)  # (num_patches, D)
         h_patch = h_patch + self.pool(pooled)
         num_chained = site.chained.stop - site.chained.start
         h_chain, h_unchained = h_patch.split([num_chained, h_patch.size(0) - num_chained])
@@ -226,7 +225,7 @@ class SheafBlock(nn.Module):
         cache.state.write(delta.rows[tok], h_tok)
         h_patch = h[patches]
         if patches.stop > patches.start:  # most generated tokens close no patch
-            h_patch = h_patch + self.pool(segment_mean(cache.state.data[delta.cover_src], delta.cover_ptr))
+            h_patch = h_patch + self.pool(gather_segment_mean(cache.state.data, delta.cover_src, delta.cover_ptr))
             num_chained = delta.chain_reset.numel()
             y, cache.chain_ssm = continue_chains(self.phi_patch, self.norm_patch(h_patch[:num_chained]),
                                                  delta.chain_reset, cache.chain_ssm, delta.chain_rows)

@@ -5,6 +5,7 @@ import torch
 from sheafgnn.nn import segment
 from sheafgnn.nn.segment import (
     HAS_TORCH_SCATTER,
+    gather_segment_mean,
     get_backend,
     index_from_ptr,
     ptr_from_index,
@@ -90,6 +91,19 @@ def test_gather_is_the_adjoint_of_sum(backend):
             lambda s: segment_gather(s, ptr, 6), src)
         assert segment_gather(src, torch.zeros(6, dtype=torch.long),
                               0).shape == (0, 4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gather_segment_mean_matches_the_loop_and_its_gradient_checks(backend):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 4, dtype=torch.double, generator=g, requires_grad=True)
+    ptr = make_ptr(LENGTHS)
+    index = torch.randint(0, 9, (int(ptr[-1]),), generator=g)  # rows of x, repeats included
+    with use_backend(backend):  # on torch_scatter, the SpMM path when torch-sparse is there
+        torch.testing.assert_close(gather_segment_mean(x, index, ptr), loop_reduce(x[index], ptr, mean=True))
+        assert torch.autograd.gradcheck(lambda x: gather_segment_mean(x, index, ptr), x)
+        empty = gather_segment_mean(x, index[:0], torch.zeros(3, dtype=torch.long))
+        assert empty.shape == (2, 4) and not empty.any()
 
 
 @needs_scatter

@@ -59,6 +59,7 @@ __all__ = [
     "BACKENDS",
     "HAS_TORCH_SCATTER",
     "HAS_TORCH_SPARSE",
+    "gather_segment_mean",
     "get_backend",
     "index_from_ptr",
     "ptr_from_index",
@@ -265,6 +266,31 @@ def segment_mean(src: Tensor, ptr: Tensor) -> Tensor:
     total = segment_sum(src, ptr)  # (S, *)
     count = ptr.diff().clamp_(min=1).to(total.dtype)  # (S,)
     return total / count.view((-1,) + (1,) * (total.dim() - 1))
+
+
+def gather_segment_mean(x: Tensor, index: Tensor, ptr: Tensor) -> Tensor:
+    r"""``segment_mean(x[index], ptr)``: the mean of the rows :obj:`x[index[ptr[s]:ptr[s + 1]]]` of
+    every segment :math:`s` (0 for an empty one).
+
+    Where torch-sparse runs (:func:`use_spmm`) it is one CSR SpMM, whose backward is the transposed
+    SpMM: the gathered :math:`(\text{num\_rows}, F)` rows are never made, in either pass (through
+    :func:`segment_mean`, the step kept none but made two: the gather and, in backward, the
+    gradient repeated per row).
+
+    Shapes:
+        - **input:** x (M, F), index (num_rows,) rows of x, ptr (S + 1,)
+        - **output:** (S, F)
+    """
+    _check(x, ptr)
+    if not (use_spmm() and x.dim() == 2 and index.numel() > 0):
+        return segment_mean(x.index_select(0, index), ptr)
+    row = colptr = csr2csc = None
+    if x.requires_grad:  # the transposed matrix: the rows in column order
+        row = index_from_ptr(ptr, index.numel())  # (num_rows,)
+        csr2csc = torch.argsort(index, stable=True)  # (num_rows,)
+        colptr = ptr_from_index(index[csr2csc], x.size(0))  # (M + 1,)
+    total = torch.ops.torch_sparse.spmm_sum(row, ptr, index, None, colptr, csr2csc, x)  # (S, F)
+    return total / ptr.diff().clamp(min=1).to(total.dtype).unsqueeze(1)
 
 
 def segment_gather(src: Tensor, ptr: Tensor, num_rows: int) -> Tensor:
