@@ -111,8 +111,8 @@ class SheafStateConfig(ConfigFile):
     gluing: bool = True  # False: Phi + token feed-forward only (the ssm ablation)
     validate_sites: bool = True  # run validate_site (schema + causality) on every input; O(edges)
     checkpoint_blocks: bool = False  # training: recompute each block in backward (torch.utils.checkpoint)
-    # training: recompute each SSM's conv, scan and gated norm in backward (SelectiveSSM recompute): 0.73-0.77x
-    # dense's peak memory at 32k tokens instead of 0.83-0.84x, for +8-15% step time (bench_model.py, README)
+    # training: recompute each SSM's conv, scan and gated norm in backward (SelectiveSSM recompute): 0.73-0.84x
+    # dense's peak memory at 32k tokens instead of 0.83-0.90x, for +8-18% step time (bench_model.py, README)
     recompute_ssm: bool = False
     tune_cpu_allocator: bool = True  # construction calls sheafgnn.memory.tune_cpu_process (process-wide settings)
     site: dict = field(default_factory=dict)  # SiteConfig fields for build_site
