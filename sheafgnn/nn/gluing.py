@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sheafgnn.nn.segment import index_from_ptr, ptr_from_index, segment_gather, segment_sum, use_spmm
+from sheafgnn.nn.segment import csr_transpose, index_from_ptr, segment_gather, segment_sum, use_spmm
 
 __all__ = ["BLOCK_ELEMENTS", "reads_by_stalk_dim", "transport_sum", "transport_sum_reference"]
 
@@ -112,8 +112,7 @@ def _spmm_transport_sum(Y: Tensor, src: Tensor, ptr: Tensor, transport: Tensor,
     if weight.requires_grad or Y.requires_grad:
         row = index_from_ptr(ptr, src.numel())  # (E,) destination of every edge
     if Y.requires_grad:  # grad_Y runs A_i^T: the edges in source order
-        csr2csc = torch.argsort(src, stable=True)  # (E,)
-        colptr = ptr_from_index(src[csr2csc], N)  # (N + 1,)
+        csr2csc, colptr = csr_transpose(src, N)  # (E,), (N + 1,)
     # unbind, not indexing: the backward of Y_by_dim[i] would zero-fill a (d, N, f) gradient per dim
     out = torch.stack([torch.ops.torch_sparse.spmm_sum(row, ptr, src, w, colptr, csr2csc, y)
                        for w, y in zip(weight.unbind(0), Y_by_dim.unbind(0))])  # (d, N, f)

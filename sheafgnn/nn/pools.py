@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sheafgnn.nn.segment import ptr_from_index, use_spmm
+from sheafgnn.nn.segment import csr_transpose, use_spmm
 
 POOL_CHUNK_ELEMENTS = 1 << 20  # gathered candidate states per chunk of pool_read (4 MiB in float32)
 
@@ -126,8 +126,7 @@ def _spmm_pool_dot_grads(grad: Tensor, q: Tensor, k: Tensor, sources: Tensor, ne
         rowptr = torch.arange(0, M * P + 1, P, device=q.device)  # (M + 1,)
         grad_q = spmm(None, rowptr, col, value, None, None, k.contiguous())  # (M, r)
     if need_k:
-        order = torch.argsort(col, stable=True)  # (M P,): the entries by source
-        colptr = ptr_from_index(col[order], k.size(0))  # (N + 1,)
+        order, colptr = csr_transpose(col, k.size(0))  # (M P,): the entries by source, (N + 1,)
         grad_k = spmm(None, colptr, order.div(P, rounding_mode="floor"), value[order], None, None,
                       q.contiguous())  # (N, r): entry e's row is e // P
     return grad_q, grad_k

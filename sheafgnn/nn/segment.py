@@ -59,6 +59,7 @@ __all__ = [
     "BACKENDS",
     "HAS_TORCH_SCATTER",
     "HAS_TORCH_SPARSE",
+    "csr_transpose",
     "gather_segment_mean",
     "get_backend",
     "index_from_ptr",
@@ -183,6 +184,19 @@ def index_from_ptr(ptr: Tensor, num_items: int) -> Tensor:
     return torch.repeat_interleave(seg, ptr.diff(), output_size=num_items)
 
 
+def csr_transpose(col: Tensor, num_cols: int) -> tuple[Tensor, Tensor]:
+    r"""The column-major order of a CSR matrix's entries, as torch-sparse's SpMM backward reads it:
+    ``csr2csc`` (the entries sorted by column, stably) and the column pointer ``colptr``
+    :math:`(\text{num\_cols} + 1,)`.
+
+    Args:
+        col (torch.Tensor): column of every entry, in row-major order :math:`(\text{nnz},)`.
+        num_cols (int): number of columns (explicit: no host sync).
+    """
+    csr2csc = torch.argsort(col, stable=True)  # (nnz,)
+    return csr2csc, ptr_from_index(col[csr2csc], num_cols)
+
+
 def sort_by_destination(
     edge_index: Tensor,
     *edge_attrs: Tensor | None,
@@ -287,8 +301,7 @@ def gather_segment_mean(x: Tensor, index: Tensor, ptr: Tensor) -> Tensor:
     row = colptr = csr2csc = None
     if x.requires_grad:  # the transposed matrix: the rows in column order
         row = index_from_ptr(ptr, index.numel())  # (num_rows,)
-        csr2csc = torch.argsort(index, stable=True)  # (num_rows,)
-        colptr = ptr_from_index(index[csr2csc], x.size(0))  # (M + 1,)
+        csr2csc, colptr = csr_transpose(index, x.size(0))  # (num_rows,), (M + 1,)
     total = torch.ops.torch_sparse.spmm_sum(row, ptr, index, None, colptr, csr2csc, x)  # (S, F)
     return total / ptr.diff().clamp(min=1).to(total.dtype).unsqueeze(1)
 
