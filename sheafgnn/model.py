@@ -220,8 +220,8 @@ class SheafBlock(nn.Module):
             update, _ = self.experts(h_tok, [0, h_tok.size(0)], self.norm_expert)
             return h_tok + update
         patches, out = slice(tok.stop, delta.type_ptr[-2]), delta.block("output")
-        cache.state.extend(delta.rows.numel())
-        cache.state.write(delta.rows[tok], h_tok)
+        first = cache.state.extend(delta.type_ptr[-2])
+        cache.state.write(first, h_tok)
         h_patch = h[patches]
         if patches.stop > patches.start:  # most generated tokens close no patch
             h_patch = h_patch + self.pool(gather_segment_mean(cache.state.data, delta.cover_src, delta.cover_ptr))
@@ -229,7 +229,7 @@ class SheafBlock(nn.Module):
             y, cache.chain_ssm = continue_chains(self.phi_patch, self.norm_patch(h_patch[:num_chained]),
                                                  delta.chain_reset, cache.chain_ssm, delta.chain_rows)
             h_patch = torch.cat([h_patch[:num_chained] + y, h_patch[num_chained:]])
-            cache.state.write(delta.rows[patches], h_patch)
+            cache.state.write(first + tok.stop, h_patch)
         h = torch.cat([h_tok, h_patch, h[out] + h_tok])  # (N, D)
 
         src, dst, edge_type, weight = select_streamed(self.topology, h, delta, cache)
@@ -239,8 +239,9 @@ class SheafBlock(nn.Module):
         glued = self.glue(torch.cat([h, cache.state.data[src]]), local, edge_type, weight,
                           ptr=ptr_from_index(dst, N + src.numel()))[:N]
         update, _ = self.experts(glued, delta.type_ptr, self.norm_expert)
-        h = glued + update
-        return torch.cat([h[tok] + self.broadcast(h[out]), h[tok.stop :]])
+        h = glued.add_(update)  # in place: the step's own rows (no autograd in a stream)
+        h[tok] += self.broadcast(h[out])
+        return h
 
 
 class SheafStateLM(nn.Module):

@@ -73,29 +73,24 @@ class RowBuffer:
         """The rows so far, a view: (size, *shape)."""
         return self._storage[: self.size]
 
-    def extend(self, n: int) -> Tensor:
-        """Allocate ``n`` rows (contents undefined until written); returns their indices."""
+    def extend(self, n: int) -> int:
+        """Allocate ``n`` rows (contents undefined until written); returns the first of them."""
         if self.size + n > self._storage.size(0):
             capacity = max(2 * self._storage.size(0), self.size + n)
             storage = self._storage.new_empty((capacity, *self._storage.shape[1:]))
             storage[: self.size] = self.data
             self._storage = storage
-        rows = torch.arange(self.size, self.size + n, device=self._storage.device)
         self.size += n
-        return rows
+        return self.size - n
 
     def grow_to(self, n: int) -> None:
         """At least ``n`` rows (new rows undefined until written)."""
         if n > self.size:
             self.extend(n - self.size)
 
-    def append(self, values: Tensor) -> Tensor:
-        rows = self.extend(values.size(0))
-        self._storage[rows] = values
-        return rows
-
-    def write(self, rows: Tensor, values: Tensor) -> None:
-        self._storage[rows] = values
+    def write(self, first: int, values: Tensor) -> None:
+        """Rows ``first, ..., first + len(values) - 1`` (allocated) := ``values``."""
+        self._storage[first : first + values.size(0)] = values
 
 
 @dataclass
@@ -116,7 +111,7 @@ class StreamDelta(FlatBlocks):
     type's block holding stream 0's new nodes, then stream 1's, ... (like a PyG batch).
 
     Node "rows" index the caches (:class:`LayerCache`); every block appends the
-    new non-output nodes in this order, so a node has the same row in every block.
+    new non-output nodes (``type_ptr[-2]`` of them) in this order, so a node has the same row in every block.
     """
 
     type_ptr: list[int]  # (num_types + 1,) block offsets of the new nodes
@@ -124,12 +119,13 @@ class StreamDelta(FlatBlocks):
     token_ids: Tensor  # (T,) ids of the new tokens
     topic: Tensor  # ids of the new topic nodes
     register: Tensor  # register of the new workspace nodes
-    rows: Tensor  # (type_ptr[-2],) cache row of every new non-output node
+    first_row: int  # cache row of the first new node: the new non-output nodes have rows first_row + i, in order
     token_streams: list[int]  # streams with new tokens, in order
     token_stream: Tensor  # (T,) stream of each new token (and output)
     token_reset: Tensor  # (T,) True at each stream's first new token
     token_pos: Tensor  # (T,) position of each new token (and output) in its stream
-    previous_row: Tensor  # (T,) cache row of the token before each new token, -1 at position 0
+    previous_row: Tensor  # (T,) cache row of the token before each new token (any row at position 0)
+    no_previous: Tensor  # (T, 1) True at position 0 (no token before)
     cover_src: Tensor  # (C,) cache row of the token of each cover edge into a new patch
     cover_ptr: Tensor  # (num_new_patches + 1,)
     chain_rows: list[int]  # row in LayerCache.chain_ssm of every new patch chain, in order
@@ -165,10 +161,11 @@ class SheafStream(TokenStream):
         device = model.token_embedding.weight.device
         self.device = device
         self.sites = [SiteStream(model.config.site_config, tokenizer=tokenizer) for _ in range(batch_size)]
-        # Per node type but the outputs (never sources): a (nodes so far, B) table of the cache row of
-        # each stream's node by its id in the full site, so that the edges of all streams read their
-        # sources with one gather per edge type, and a batch of proposals its tokens with one.
-        self.node_rows = {t: RowBuffer((batch_size,), torch.long, device) for t in FLAT_TYPES[:-1]}
+        # One table (ids so far, node types but the outputs (never sources), B) of the cache row of each
+        # stream's node of each type by its id in the full site, so that the edges of every type and stream
+        # read their sources with one gather, and a batch of proposals its tokens with one. Its rows run to
+        # the largest id of any type (the tokens'): 9 longs per token and stream, ~2% of the caches.
+        self.node_rows = RowBuffer((_OUTPUT, batch_size), torch.long, device)
         self.num_blocks = [0] * batch_size  # complete content blocks per stream (the same in every cache)
         self.num_rows = 0
         D, dtype = model.config.d_model, model.token_embedding.weight.dtype
@@ -220,10 +217,8 @@ class SheafStream(TokenStream):
             type_ptr.append(type_ptr[-1] + sum(per_stream))
         # Delta index of stream b's first new node of each type.
         first = {t: [type_ptr[i] + sum(counts[i][:b]) for b in range(B)] for i, t in enumerate(FLAT_TYPES)}
-        num_rows = type_ptr[_OUTPUT]  # outputs are never sources: no rows
-        rows = torch.arange(self.num_rows, self.num_rows + num_rows, device=device)
-        self.num_rows += num_rows
-        token_pos, token_stream = self._write_rows(deltas, counts, first, type_ptr, rows)
+        first_row, self.num_rows = self.num_rows, self.num_rows + type_ptr[_OUTPUT]  # outputs: never sources
+        token_pos, token_stream = self._write_rows(deltas, counts, first, type_ptr, first_row)
 
         def concat(parts: list[Tensor]) -> Tensor:
             return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
@@ -234,25 +229,27 @@ class SheafStream(TokenStream):
         token_streams = [b for b in range(B) if counts[0][b]]
         token_reset = torch.zeros(token_pos.numel(), dtype=torch.bool, device=device)
         token_reset[[first["token"][b] for b in token_streams]] = True
-        token_rows = self.node_rows["token"].data
-        previous_row = torch.where(token_pos > 0, token_rows[(token_pos - 1).clamp(min=0), token_stream], -1)
+        token_rows = self.node_rows.data[:, 0]  # (positions, B)
+        no_previous = (token_pos == 0).unsqueeze(1)  # (T, 1)
+        previous_row = token_rows[(token_pos - 1).clamp(min=0), token_stream]  # (T,)
         cover_src, _, _, cover_ptr = self._edges(deltas, first, COVER_EDGES, type_ptr)
         cover_ptr = cover_ptr[type_ptr[1] : type_ptr[_OUTPUT] + 1]  # over the new patches
-        rule_src, rule_dst, rule_type, _ = self._edges(deltas, first, CANDIDATE_EDGES, type_ptr)
-        into_patch = rule_dst < type_ptr[_OUTPUT]  # the sorted head
-        patch_rules = (rule_src[into_patch], rule_dst[into_patch], rule_type[into_patch])
-        output_pool = self._output_pool(token_pos, token_stream, token_rows, rule_src[~into_patch],
-                                        rule_dst[~into_patch] - type_ptr[_OUTPUT], rule_type[~into_patch])
+        rule_src, rule_dst, rule_type, rule_ptr = self._edges(deltas, first, CANDIDATE_EDGES, type_ptr)
+        into_patch = int(rule_ptr[type_ptr[_OUTPUT]])  # edges into patches: the sorted head
+        patch_rules = (rule_src[:into_patch], rule_dst[:into_patch], rule_type[:into_patch])
+        output_pool = self._output_pool(token_pos, token_stream, token_rows, rule_src[into_patch:],
+                                        rule_dst[into_patch:] - type_ptr[_OUTPUT], rule_type[into_patch:])
         chains = [(i * B + b, counts[FLAT_TYPES.index(t)][b]) for i, t in enumerate(CHAINED_TYPES) for b in range(B)
                   if counts[FLAT_TYPES.index(t)][b]]  # (pool row, new patches) of every continued chain
         chain_sizes = [size for _, size in chains]
         chain_reset = torch.zeros(sum(chain_sizes), dtype=torch.bool, device=device)
-        chain_reset[torch.tensor([0] + chain_sizes[:-1], device=device).cumsum(0)[: len(chains)]] = True
+        if chains:  # most generated tokens close no patch
+            chain_reset[torch.tensor([0] + chain_sizes[:-1], device=device).cumsum(0)] = True
         new_blocks = self._new_blocks(deltas)
         return StreamDelta(type_ptr, node_type, concat([d.ids for d in present]),
                            concat([d.attrs["topic"] for d in present]), concat([d.attrs["workspace"] for d in present]),
-                           rows, token_streams, token_stream, token_reset, token_pos, previous_row, cover_src,
-                           cover_ptr, [row for row, _ in chains], chain_reset, patch_rules, output_pool,
+                           first_row, token_streams, token_stream, token_reset, token_pos, previous_row, no_previous,
+                           cover_src, cover_ptr, [row for row, _ in chains], chain_reset, patch_rules, output_pool,
                            new_blocks, token_rows)
 
     def _output_pool(self, pos: Tensor, stream: Tensor, token_rows: Tensor, rule_src: Tensor, rule_dst: Tensor,
@@ -265,10 +262,12 @@ class SheafStream(TokenStream):
         rules, rule_types = rule_pools(rule_src, rule_dst, rule_type, pos.numel())
         return torch.cat([near, rules], 1), torch.cat([near_types, rule_types], 1)
 
-    def _write_rows(self, deltas, counts, first, type_ptr, rows) -> tuple[Tensor, Tensor]:
-        """Record the cache rows of the new non-output nodes in the per-type tables (each new node by
-        its stream and its id in the full site); returns the new tokens' positions and streams."""
+    def _write_rows(self, deltas, counts, first, type_ptr, first_row: int) -> tuple[Tensor, Tensor]:
+        """Record the cache rows of the new non-output nodes (``first_row`` on, in delta order) in the
+        node table (each new node by its id in the full site, its type and its stream); returns the new
+        tokens' positions and streams."""
         device, streams = self.device, torch.arange(self.batch_size, device=self.device)
+        self.node_rows.grow_to(max(max(site.num_nodes[t] for t in FLAT_TYPES[:_OUTPUT]) for site in self.sites))
         for i, t in enumerate(FLAT_TYPES[:_OUTPUT]):
             if type_ptr[i + 1] == type_ptr[i]:
                 continue
@@ -277,9 +276,8 @@ class SheafStream(TokenStream):
             shift = torch.tensor([d.node_offset[t] - first[t][b] + type_ptr[i] if d is not None else 0
                                   for b, d in enumerate(deltas)], device=device)
             ids = torch.arange(stream.numel(), device=device) + shift[stream]
-            table = self.node_rows[t]
-            table.grow_to(max(site.num_nodes[t] for site in self.sites))
-            table.data[ids, stream] = rows[type_ptr[i] : type_ptr[i + 1]]
+            self.node_rows.data[ids, i, stream] = torch.arange(first_row + type_ptr[i], first_row + type_ptr[i + 1],
+                                                               device=device)
             if t == "token":
                 token_pos, token_stream = ids, stream
         return token_pos, token_stream
@@ -296,19 +294,12 @@ class SheafStream(TokenStream):
             empty = torch.zeros(0, dtype=torch.long, device=device)
             return empty, empty, empty, torch.zeros(type_ptr[-1] + 1, dtype=torch.long, device=device)
         index = torch.cat([d.edges[edge_types[i]] for i, _, d in chunks], 1).to(device)  # (2, E) ids per site
-        sizes = [d.edges[edge_types[i]].size(1) for i, _, d in chunks]
-        meta = torch.tensor([[i, b, first[edge_types[i][2]][b] - d.node_offset[edge_types[i][2]]]
-                             for i, b, d in chunks], dtype=torch.long, device=device).view(-1, 3)
-        types, stream, shift = meta.repeat_interleave(torch.tensor(sizes, dtype=torch.long, device=device), 0).unbind(1)
-        runs: dict[int, int] = {}  # edges per edge type: contiguous runs, one source table each
-        for (i, _, _), size in zip(chunks, sizes):
-            runs[i] = runs.get(i, 0) + size
-        src, start = [], 0
-        for i, size in runs.items():
-            table = self.node_rows[edge_types[i][0]].data
-            src.append(table[index[0, start : start + size], stream[start : start + size]])
-            start += size
-        src = torch.cat(src)
+        sizes = torch.tensor([d.edges[edge_types[i]].size(1) for i, _, d in chunks], device=device)
+        # per chunk: edge type, stream, destination shift (site id -> delta index), source type
+        meta = torch.tensor([[i, b, first[edge_types[i][2]][b] - d.node_offset[edge_types[i][2]],
+                              FLAT_TYPES.index(edge_types[i][0])] for i, b, d in chunks], device=device)
+        types, stream, shift, src_type = meta.repeat_interleave(sizes, 0, output_size=index.size(1)).unbind(1)
+        src = self.node_rows.data[index[0], src_type, stream]  # (E,) cache rows
         edge_index, types, ptr = sort_by_destination(torch.stack([src, index[1] + shift]), types,
                                                      num_nodes=type_ptr[-1])
         return edge_index[0], edge_index[1], types, ptr
@@ -324,7 +315,7 @@ class SheafStream(TokenStream):
             start, done = self.num_blocks[b], self.sites[b].num_tokens // B  # complete blocks before / after
             if done > start:
                 positions = torch.arange(start * B, done * B, device=self.device)
-                out.append((b, start, self.node_rows["token"].data[positions, b].view(done - start, B)))
+                out.append((b, start, self.node_rows.data[positions, 0, b].view(done - start, B)))
                 self.num_blocks[b] = done
         return out
 
@@ -365,22 +356,22 @@ def select_streamed(topology: LearnedTopology, h: Tensor, delta: StreamDelta,
     competitions); writes the new nodes' keys and the new content blocks' summaries to the cache.
 
     Returns:
-        source rows (E,), destination delta indices (E,) sorted, edge types (E,), weights (E,).
+        source rows (E,), destination delta indices (E,) sorted, edge types (E,), weights (E,); every
+        output has ``k`` edges (or its pool's size), those past its pool's candidates with weight 0.
     """
-    num_rows = delta.rows.numel()
+    num_rows, first = delta.type_ptr[_OUTPUT], delta.first_row
     tok = delta.block("token")
     q = topology.query(h)  # (N, r)
     key = topology.key(h[:num_rows])  # (rows, r)
-    previous = cache.state.data[delta.previous_row.clamp(min=0)]  # (T, D)
-    previous = previous.masked_fill((delta.previous_row < 0).unsqueeze(1), 0.0)
-    key[tok] = key[tok] + topology.key_previous(previous)
+    previous = cache.state.data[delta.previous_row].masked_fill_(delta.no_previous, 0.0)  # (T, D)
+    key[tok] += topology.key_previous(previous)
     cache.key.extend(num_rows)
-    cache.key.write(delta.rows, key)
+    cache.key.write(first, key)
     block_keys = cache.key
     if topology.block_scorer:
         block_keys = cache.block_token_key
         block_keys.extend(num_rows)
-        block_keys.write(delta.rows[tok], topology.block_token_keys(h[tok], previous))
+        block_keys.write(first, topology.block_token_keys(h[tok], previous))
     if delta.new_blocks:
         cache.block_key.grow_to(max(start + members.size(0) for _, start, members in delta.new_blocks))
         for b, start, members in delta.new_blocks:
@@ -407,23 +398,33 @@ def select_streamed(topology: LearnedTopology, h: Tensor, delta: StreamDelta,
     score = topology._score(pool_dot(q_out, cache.key.data, sources.clamp(min=0)), types)  # (M, P)
     sink = topology.sink[delta.node_type[out0:]].unsqueeze(1)  # (M, 1)
     top, pick, weight = topology.compete_dense(score.masked_fill(~valid, float("-inf")), sink)
-    kept = torch.isfinite(top)
-    out_dst = torch.arange(out0, out0 + q_out.size(0), device=q.device).unsqueeze(1).expand_as(top)
-    output_edges = (sources.gather(1, pick)[kept], out_dst[kept], types.gather(1, pick)[kept], weight[kept])
+    # Every output's k columns, the padding of a short pool too: its weight is 0 and its source a real row
+    # (clamped), so its message and its share of L_vv are exact zeros (filtering them cost 9 ops a block).
+    out_dst = torch.arange(out0, out0 + q_out.size(0), device=q.device).repeat_interleave(top.size(1))
+    output_edges = (sources.gather(1, pick).flatten().clamp(min=0), out_dst, types.gather(1, pick).flatten(),
+                    weight.flatten())
+    if patch_edges[0].numel() == 0:  # most generated tokens close no patch
+        return output_edges
     return tuple(torch.cat([a, b]) for a, b in zip(patch_edges, output_edges))
 
 
 def _content_proposals(topology: LearnedTopology, block_query: Tensor, delta: StreamDelta,
                        cache: LayerCache) -> tuple[Tensor, Tensor]:
     """(M, content_blocks * B) cache rows of the tokens of every new output's chosen blocks (-1: none),
-    chosen by the outputs' ``block_query`` (M, r), and their edge types."""
-    B = topology.block_size
+    chosen by the outputs' ``block_query`` (M, r), and their edge types: the stream's
+    :meth:`LearnedTopology.block_proposals`, read as rows of the block-major token table."""
+    B, J = topology.block_size, cache.block_key.size
     pos, stream = delta.token_pos, delta.token_stream  # (M,) each: output i sits at token i
     blocks = stream_blocks(summary_query(block_query, topology.block_summary), stream, pos // B, cache.block_key.data,
                            topology.content_blocks,
                            one_per_stream=pos.numel() == len(delta.token_streams))  # (M, m) block indices
-    tokens, types = topology.block_proposals(torch.where(blocks >= 0, blocks * B, -1))  # positions per stream
-    return torch.where(tokens >= 0, delta.token_rows[tokens.clamp(min=0), stream.unsqueeze(1)], -1), types
+    if J:
+        block_rows = delta.token_rows[: J * B].view(J, B, delta.token_rows.size(1))  # (J, B, streams): by block
+        rows = block_rows[blocks.clamp(min=0), :, stream.unsqueeze(1)]  # (M, m, B)
+        rows = rows.masked_fill_((blocks < 0).unsqueeze(2), -1).flatten(1)  # (M, m * B)
+    else:  # no complete block yet
+        rows = blocks.new_full((blocks.size(0), blocks.size(1) * B), -1)
+    return rows, torch.full_like(rows, topology.content_type)
 
 
 @torch.no_grad()
@@ -448,7 +449,7 @@ def stream_blocks(query: Tensor, stream: Tensor, last: Tensor, block_key: Tensor
         # and 16 streams the gather would copy 8 MB per block and step).
         keys = block_key if M == block_key.size(1) else block_key[:, stream]
         score = torch.einsum("mr,jmr->mj", query, keys)  # (M, J)
-        return top_blocks(score, torch.zeros_like(last), last, num_blocks)
+        return top_blocks(score, None, last, num_blocks)
     out = torch.full((M, num_blocks), -1, dtype=torch.long, device=query.device)
     block_index = torch.arange(J, device=query.device)
     for b in stream.unique().tolist():  # many rows per stream (a prompt): each stream's rows share its keys

@@ -149,4 +149,6 @@ def pool_dot(q: Tensor, k: Tensor, sources: Tensor) -> Tensor:
     if q.dim() != 2 or k.dim() != 2 or sources.dim() != 2 or q.size(0) != sources.size(0) or q.size(1) != k.size(1):
         raise ValueError(f"pool_dot: expected q (M, r), k (N, r) and sources (M, P) (got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(sources.shape)})")
+    if not torch.is_grad_enabled() and _pool_chunk(sources, k) >= sources.size(0):  # e.g. a generation step
+        return torch.bmm(k[sources], q.unsqueeze(2)).squeeze(2)  # one chunk: the function's call costs more
     return _PoolDot.apply(q, k, sources)

@@ -153,23 +153,30 @@ def best_blocks(query: Tensor, block_key: Tensor, block_start: Tensor, first: Te
     return out
 
 
-def top_blocks(score: Tensor, first: Tensor, last: Tensor, num_blocks: int, col0: int = 0) -> Tensor:
+def top_blocks(score: Tensor, first: Tensor | None, last: Tensor, num_blocks: int, col0: int = 0) -> Tensor:
     """(R, num_blocks) the best columns ``first <= col0 + j < last`` of each row of ``score`` (R, C),
-    as block indices ``col0 + j``, best first; -1 where fewer qualify. ``score`` is overwritten.
+    as block indices ``col0 + j``, best first; -1 where fewer qualify. ``score`` is overwritten;
+    ``first`` None: every row from column ``col0``.
 
     Only the columns outside ``[max(first), min(last))`` can be out of a row's range, so only those are
     masked: in a chunk of consecutive positions of one graph, the few columns past the earliest row's
     last block (masking all of them was 60% of the content proposals' time at 64k tokens)."""
     C = score.size(1)
-    lo, hi = int(first.max()) - col0, int(last.min()) - col0  # columns every row may choose: [lo, hi)
+    lo = 0 if first is None else int(first.max()) - col0
+    hi = int(last.min()) - col0  # columns every row may choose: [lo, hi)
     for a, b in ((0, min(max(lo, 0), C)), (min(max(hi, 0), C), C)):  # the slabs that need a mask
         if b > a:
             col = torch.arange(col0 + a, col0 + b, device=score.device)
-            ok = (col >= first.unsqueeze(1)) & (col < last.unsqueeze(1))  # (R, b - a)
-            score[:, a:b].masked_fill_(~ok, float("-inf"))
+            out_of_range = col >= last.unsqueeze(1)  # (R, b - a)
+            if first is not None:
+                out_of_range |= col < first.unsqueeze(1)
+            score[:, a:b].masked_fill_(out_of_range, float("-inf"))
     top, pick = score.topk(min(num_blocks, C), dim=1)
+    pick = torch.where(torch.isfinite(top), pick + col0 if col0 else pick, -1)
+    if C >= num_blocks:  # no padding (a generation step: its ops are most of its cost)
+        return pick
     out = torch.full((score.size(0), num_blocks), -1, dtype=torch.long, device=score.device)
-    out[:, : pick.size(1)] = torch.where(torch.isfinite(top), col0 + pick, -1)
+    out[:, :C] = pick
     return out
 
 

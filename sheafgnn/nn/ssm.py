@@ -322,10 +322,11 @@ class SelectiveSSM(nn.Module):
         xs = xs.view(Bsz, H, P)  # (b, H, P)
         dt = F.softplus(dt + self.dt_bias)  # (b, H)
         decay = torch.exp(dt * -torch.exp(self.A_log))  # (b, H): exp(dt A)
-        u = dt.unsqueeze(-1) * xs  # (b, H, P)
-        h = torch.addcmul(decay[..., None, None] * state.ssm, u.unsqueeze(-1), B[:, None, None, :])  # (b, H, P, N)
-        # a matmul, not an einsum: the step runs on a few rows, where einsum's planning costs more than the product
-        y = torch.addcmul((h @ C[:, None, :, None]).squeeze(-1), xs, self.D.unsqueeze(-1))  # (b, H, P)
+        u = (dt.unsqueeze(-1) * xs).unsqueeze(-1)  # (b, H, P, 1)
+        h = torch.addcmul(decay.view(Bsz, H, 1, 1) * state.ssm, u, B.view(Bsz, 1, 1, N))  # (b, H, P, N)
+        # a product and a sum, not a matmul or an einsum: on a step's few rows each op's dispatch costs more than
+        # its arithmetic, and the broadcast matmul dispatches five
+        y = torch.addcmul((h * C.view(Bsz, 1, 1, N)).sum(-1), xs, self.D.unsqueeze(-1))  # (b, H, P)
         out = self._gate_out(y.reshape(Bsz, self.d_inner), z)  # (b, D)
         return out, SSMState(window[:, 1:], h)
 
