@@ -1,9 +1,12 @@
 """Generation cost against context length, measured in one run.
 
 For every context length n (default 1k, 4k, 8k, 16k, 32k, 64k) a prompt of n
-tokens of the embedded corpus is fed, then ``--steps`` tokens are sampled;
-the per-token latency is the median wall time of one sampling step (sample
-from the last logits, feed the token back):
+tokens of the embedded corpus is fed to a stream of each model, then the
+models take turns: ``--rounds`` rounds of ``--steps`` sampling steps each
+(sample from the last logits, feed the token back). A model's per-token
+latency is the median wall time of a step in its best round (this machine has
+slow phases of seconds to minutes; the best round of each model, measured in
+turns, compares them in the same phase):
 
 - ``sheaf``: the streaming :class:`~sheafgnn.stream.SheafStream` (cached
   states, SSM recurrences, the site grown by deltas);
@@ -69,27 +72,30 @@ def held_bytes(obj, seen: set | None = None) -> int:
     return 0
 
 
-def stream_latency(model, ids: torch.Tensor, batch: int, steps: int) -> dict:
-    """Prefill ``batch`` streams (prompt b: ``ids[b:]``) and time ``steps`` sampling steps."""
-    stream = model.stream(batch_size=batch)
-    prompts = [ids[b:] for b in range(batch)]
-    start = time.perf_counter()
-    stream.feed(prompts[0] if batch == 1 else prompts)
-    prefill = time.perf_counter() - start
-    generator = torch.Generator().manual_seed(0)
-    times = []
-    tokens = stream.sample(steps + 1, generator=generator)
-    next(tokens)  # the first step also warms up
-    while True:
+def stream_latencies(models: dict, ids: torch.Tensor, batch: int, steps: int, rounds: int) -> dict[str, dict]:
+    """Prefill ``batch`` streams of every model (prompt b: ``ids[b:]``), then ``rounds`` rounds in turn of
+    ``steps`` sampling steps per model; per model: prefill time, the best round's median step, memory held."""
+    streams, rows = {}, {}
+    for kind, model in models.items():
+        stream = model.stream(batch_size=batch)
         start = time.perf_counter()
-        try:
-            next(tokens)
-        except StopIteration:
-            break
-        times.append(time.perf_counter() - start)
-    latency = statistics.median(times)
-    return {"prefill_s": prefill, "latency_s": latency, "tokens_per_s": batch / latency,
-            "held_bytes_per_stream": held_bytes(stream) / batch}
+        stream.feed(ids if batch == 1 else [ids[b:] for b in range(batch)])
+        rows[kind] = {"prefill_s": time.perf_counter() - start, "held_bytes_per_stream": held_bytes(stream) / batch}
+        streams[kind] = stream.sample(rounds * steps + 1, generator=torch.Generator().manual_seed(0))
+        next(streams[kind])  # the first step also warms up
+    medians = {kind: [] for kind in models}
+    for _ in range(rounds):
+        for kind, tokens in streams.items():
+            times = []
+            for _ in range(steps):
+                start = time.perf_counter()
+                next(tokens)
+                times.append(time.perf_counter() - start)
+            medians[kind].append(statistics.median(times))
+    for kind, row in rows.items():
+        latency = min(medians[kind])
+        row.update(latency_s=latency, tokens_per_s=batch / latency, round_latencies_s=medians[kind])
+    return rows
 
 
 def rebuild_latency(model, ids: torch.Tensor, steps: int) -> dict:
@@ -128,7 +134,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 8192, 16384, 32768, 65536])
-    parser.add_argument("--steps", type=int, default=48, help="timed sampling steps per point (default: 48)")
+    parser.add_argument("--steps", type=int, default=48, help="timed sampling steps per round (default: 48)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of steps per model, in turns (default: 3)")
     parser.add_argument("--batch", type=int, default=16, help="the batched streams (default: 16)")
     parser.add_argument("--batch-max", type=int, default=32768, help="largest n run at --batch (default: 32k)")
     parser.add_argument("--rebuild-sizes", type=int, nargs="+", default=[1024, 8192],
@@ -148,11 +155,10 @@ def main() -> None:
     rows = []
     for n in sorted(set(args.sizes) | set(args.rebuild_sizes)):  # the rebuild path is compared at its sizes
         for batch in (1, args.batch) if n <= args.batch_max else (1,):
-            for kind, model in models.items():
-                row = {"model": kind, "n": n, "batch": batch,
-                       **stream_latency(model, ids[: n + batch - 1], batch, args.steps)}
-                rows.append(row)
-                print(f"  {kind:<6} n={n:>6} batch {batch:>2}: {1e3 * row['latency_s']:8.2f} ms/step, "
+            for kind, row in stream_latencies(models, ids[: n + batch - 1], batch, args.steps, args.rounds).items():
+                rows.append({"model": kind, "n": n, "batch": batch, **row})
+                print(f"  {kind:<6} n={n:>6} batch {batch:>2}: {1e3 * row['latency_s']:8.2f} ms/step (rounds "
+                      f"{' / '.join(f'{1e3 * t:.2f}' for t in row['round_latencies_s'])}), "
                       f"{row['tokens_per_s']:9.1f} tokens/s, prefill {row['prefill_s']:6.2f} s, "
                       f"held {row['held_bytes_per_stream'] / 2**20:7.1f} MiB/stream", flush=True)
     for n in args.rebuild_sizes:
@@ -185,7 +191,7 @@ def main() -> None:
     result = {"machine": {"platform": platform.platform(), "threads": torch.get_num_threads(),
                           "torch": torch.__version__},
               "params": {k: counts[k] for k in models}, "d_model": {k: options[k]["d_model"] for k in models},
-              "steps": args.steps, "rows": rows, "ratios": ratios, "targets": targets}
+              "steps": args.steps, "rounds": args.rounds, "rows": rows, "ratios": ratios, "targets": targets}
     (out / "generate.json").write_text(json.dumps(result, indent=2))
     plot(rows, out / "generate.png")
     print(f"wrote {out / 'generate.json'}, {out / 'generate.png'}")
