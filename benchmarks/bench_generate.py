@@ -135,7 +135,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 8192, 16384, 32768, 65536])
     parser.add_argument("--steps", type=int, default=48, help="timed sampling steps per round (default: 48)")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of steps per model, in turns (default: 3)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of steps per model, in turns (default: 5)")
     parser.add_argument("--batch", type=int, default=16, help="the batched streams (default: 16)")
     parser.add_argument("--batch-max", type=int, default=32768, help="largest n run at --batch (default: 32k)")
     parser.add_argument("--rebuild-sizes", type=int, nargs="+", default=[1024, 8192],

@@ -167,6 +167,10 @@ class SheafStream(TokenStream):
         # the largest id of any type (the tokens'): 9 longs per token and stream, ~2% of the caches.
         self.node_rows = RowBuffer((_OUTPUT, batch_size), torch.long, device)
         self.num_blocks = [0] * batch_size  # complete content blocks per stream (the same in every cache)
+        # The position proposals of every position so far (a pure function of the position, the same for every
+        # stream and block), grown geometrically: a generation step reads its row instead of ~30 ops of hashing.
+        self.position_table: RowBuffer | None = None  # (positions, P1) token positions, -1: none
+        self.position_types: Tensor | None = None  # (P1,) their edge types
         self.num_rows = 0
         D, dtype = model.config.d_model, model.token_embedding.weight.dtype
         rank = model.config.topology_rank
@@ -257,10 +261,26 @@ class SheafStream(TokenStream):
         """The candidates of the new outputs that are the same in every block: their position proposals
         (:meth:`LearnedTopology.position_proposals`; every block's topology has the model's proposal
         settings) as cache rows, then their rule pools; (M, P1 + W) each (-1: none)."""
-        near, near_types = self.model.blocks[0].topology.position_proposals(pos, torch.zeros_like(pos))
+        near = self._position_proposals(pos)  # (M, P1) positions
         near = torch.where(near >= 0, token_rows[near.clamp(min=0), stream.unsqueeze(1)], -1)
+        near_types = self.position_types.expand_as(near)
         rules, rule_types = rule_pools(rule_src, rule_dst, rule_type, pos.numel())
         return torch.cat([near, rules], 1), torch.cat([near_types, rule_types], 1)
+
+    def _position_proposals(self, pos: Tensor) -> Tensor:
+        """:meth:`LearnedTopology.position_proposals` of ``pos`` (M,) from the table, grown to cover every
+        stream's positions so far (the same sources as computing them: the table holds that function's rows)."""
+        needed = max(site.num_tokens for site in self.sites)
+        table = self.position_table
+        if table is None or table.size < needed:
+            start = 0 if table is None else table.size
+            new = torch.arange(start, max(needed, 2 * start), device=self.device)
+            near, types = self.model.blocks[0].topology.position_proposals(new, torch.zeros_like(new))
+            if table is None:
+                self.position_table = table = RowBuffer(near.shape[1:], torch.long, self.device)
+                self.position_types = types[0]
+            table.write(table.extend(new.numel()), near)
+        return table.data[pos]
 
     def _write_rows(self, deltas, counts, first, type_ptr, first_row: int) -> tuple[Tensor, Tensor]:
         """Record the cache rows of the new non-output nodes (``first_row`` on, in delta order) in the
