@@ -307,10 +307,14 @@ class SheafStateLM(nn.Module):
         if not self.config.gluing:
             return tokens
         h = self.type_embedding(node_type)  # (N, D)
-        extra = {"topic": self.topic_embedding(topic % self.config.num_topics),
-                 "workspace": self.register_embedding(register)}
-        blocks = h.split([type_ptr[i + 1] - type_ptr[i] for i in range(len(FLAT_TYPES))])
-        blocks = [blocks[i] + extra[t] if t in extra else blocks[i] for i, t in enumerate(FLAT_TYPES)]
+        blocks = list(h.split([type_ptr[i + 1] - type_ptr[i] for i in range(len(FLAT_TYPES))]))
+        for t, ids, embedding in (("topic", topic % self.config.num_topics, self.topic_embedding),
+                                  ("workspace", register, self.register_embedding)):
+            # Inference skips an empty block (a stream's step mostly has neither); training still runs it, so that
+            # the weights get (zero) gradients and the optimizer treats every step alike (as PatchExperts does).
+            if ids.numel() or torch.is_grad_enabled():
+                i = FLAT_TYPES.index(t)
+                blocks[i] = blocks[i] + embedding(ids)
         return torch.cat([tokens, *blocks[1:]])  # (N, D)
 
     def _forward(self, data: HeteroData, extras: Extras = Extras()) -> tuple[Tensor, list[dict], FlatSite]:
