@@ -19,7 +19,8 @@ turns, compares them in the same phase):
 Batch 1 at every n, and batch 16 (16 streams whose prompts differ in length
 by one token each) up to ``--batch-max``. "Memory held" is the bytes of the
 tensors a stream keeps after the prompt (caches and recurrent states), per
-stream. Prefill is fed in one call and its time is reported too.
+stream. Prefill is fed in one call and its time is reported too, and so are the
+aten ops one batch-1 step dispatches at 1k (counted under a ``TorchDispatchMode``).
 
 Targets (issue 11), in this run: sheaf per-token latency at 32k within 1.5x
 of its latency at 1k; sheaf >= 5x dense-with-KV-cache tokens/s at 32k
@@ -41,6 +42,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from sheafgnn.data import corpus_ids
 from sheafgnn.experiments.report import pyplot, save_figure
@@ -96,6 +98,31 @@ def stream_latencies(models: dict, ids: torch.Tensor, batch: int, steps: int, ro
         latency = min(medians[kind])
         row.update(latency_s=latency, tokens_per_s=batch / latency, round_latencies_s=medians[kind])
     return rows
+
+
+class _DispatchCount(TorchDispatchMode):
+    """Counts the aten ops dispatched while it is active (views included)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops_per_step(model, ids: torch.Tensor, steps: int = 20) -> float:
+    """aten ops a batch-1 sampling step dispatches after a prompt ``ids``: what a step costs where each op
+    costs more to launch than to compute (a few microseconds on this machine)."""
+    stream = model.stream()
+    stream.feed(ids)
+    tokens = stream.sample(steps + 1, generator=torch.Generator().manual_seed(0))
+    next(tokens)
+    with _DispatchCount() as counter:
+        for _ in range(steps):
+            next(tokens)
+    return counter.count / steps
 
 
 def rebuild_latency(model, ids: torch.Tensor, steps: int) -> dict:
@@ -161,6 +188,8 @@ def main() -> None:
                       f"{' / '.join(f'{1e3 * t:.2f}' for t in row['round_latencies_s'])}), "
                       f"{row['tokens_per_s']:9.1f} tokens/s, prefill {row['prefill_s']:6.2f} s, "
                       f"held {row['held_bytes_per_stream'] / 2**20:7.1f} MiB/stream", flush=True)
+    ops = {kind: ops_per_step(model, ids[:1024]) for kind, model in models.items()}
+    print("  aten ops per batch-1 step at 1k: " + ", ".join(f"{kind} {count:.0f}" for kind, count in ops.items()))
     for n in args.rebuild_sizes:
         row = {"model": "rebuild", "n": n, "batch": 1, **rebuild_latency(models["sheaf"], ids[:n], 3)}
         rows.append(row)
@@ -191,7 +220,8 @@ def main() -> None:
     result = {"machine": {"platform": platform.platform(), "threads": torch.get_num_threads(),
                           "torch": torch.__version__},
               "params": {k: counts[k] for k in models}, "d_model": {k: options[k]["d_model"] for k in models},
-              "steps": args.steps, "rounds": args.rounds, "rows": rows, "ratios": ratios, "targets": targets}
+              "steps": args.steps, "rounds": args.rounds, "aten_ops_per_step_batch1_1k": ops, "rows": rows,
+              "ratios": ratios, "targets": targets}
     (out / "generate.json").write_text(json.dumps(result, indent=2))
     plot(rows, out / "generate.png")
     print(f"wrote {out / 'generate.json'}, {out / 'generate.png'}")
