@@ -22,7 +22,9 @@ follow from the cached states of old ones::
 but the outputs (any of them can be a later source: random proposals reach
 any past token), the summary key of every complete content block, and the
 SSM state of the token chain and of every patch chain. Memory is
-O(nodes x (D + r)) per block, like a Transformer's KV cache.
+O(nodes x (D + r)) per block, like a Transformer's KV cache. Shared by the
+blocks and streams: the cache row of every node by (site id, type, stream),
+and the position proposals of every position so far (both O(n) integers).
 
 **Cost per new token:** the site delta, O(1) SSM steps, the new nodes'
 projections and pools (O(k) sources), and the content-block scores: one
