@@ -5,6 +5,7 @@ import torch
 
 from sheafgnn.model import SheafStateLM
 from sheafgnn.site import build_site
+from sheafgnn.stream import RowBuffer
 
 from .conftest import CODE, PROSE, small_model_config
 
@@ -120,3 +121,20 @@ def test_a_long_feed_split_into_pieces_equals_the_forward(full_config):
     logits = stream.feed([ids, ids[:50]])
     torch.testing.assert_close(logits[0], _full_logits(model, ids), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(logits[1], _full_logits(model, ids[:50]), atol=1e-4, rtol=1e-4)
+
+
+def test_row_buffer_grows_and_keeps_its_rows():
+    """RowBuffer: extend returns the first new row, growth (past the 16 initial rows, and by more than a
+    doubling) keeps every row written, write fills the rows it is given."""
+    buffer = RowBuffer((3,), torch.float32)
+    rows = torch.arange(60, dtype=torch.float32).view(20, 3)
+    assert buffer.extend(5) == 0
+    buffer.write(0, rows[:5])
+    assert buffer.extend(15) == 5  # 20 rows: past the initial 16
+    buffer.write(5, rows[5:])
+    assert buffer.extend(100) == 20  # more than a doubling at once
+    buffer.write(20, torch.ones(100, 3))
+    assert buffer.size == 120 and buffer.data.shape == (120, 3)
+    assert torch.equal(buffer.data[:20], rows) and torch.equal(buffer.data[20:], torch.ones(100, 3))
+    buffer.grow_to(50)  # already more: unchanged
+    assert buffer.size == 120

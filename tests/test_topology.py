@@ -218,9 +218,13 @@ def test_top_blocks_masks_exactly_the_columns_out_of_range(seed, graphs):
         last = first + torch.randint(0, 12, (R,), generator=g)
     col = torch.arange(col0, col0 + C)
     ok = (col >= first.unsqueeze(1)) & (col < last.unsqueeze(1))
-    top, pick = score.masked_fill(~ok, float("-inf")).topk(m, dim=1)
-    expected = torch.where(torch.isfinite(top), col0 + pick, -1)
-    assert torch.equal(top_blocks(score.clone(), first, last, m, col0), expected)
+    top, pick = score.masked_fill(~ok, float("-inf")).topk(C, dim=1)  # every column, best first
+    ranked = torch.where(torch.isfinite(top), col0 + pick, -1)
+    assert torch.equal(top_blocks(score.clone(), first, last, m, col0), ranked[:, :m])
+    if graphs == "one":  # first None: every row from col0, as a stream's one row per stream passes it
+        assert torch.equal(top_blocks(score.clone(), None, last, m, col0), ranked[:, :m])
+    padded = torch.cat([ranked, ranked.new_full((R, 2), -1)], 1)  # more blocks asked for than there are columns
+    assert torch.equal(top_blocks(score.clone(), first, last, C + 2, col0), padded)
 
 
 SPMM_PATHS = ["torch"] + (["torch_scatter"] if HAS_TORCH_SCATTER and HAS_TORCH_SPARSE else [])  # + torch-sparse
@@ -240,6 +244,8 @@ def test_pool_dot_equals_the_gathered_dot_products(monkeypatch, backend, chunk_e
     k = torch.randn(9, 4, dtype=torch.float64, requires_grad=True)
     sources = torch.randint(0, 3, (6, 5))  # many repeats: the gradient of a key must accumulate
     torch.testing.assert_close(pool_dot(q, k, sources), (q.unsqueeze(1) * k[sources]).sum(-1))
+    with torch.no_grad():  # one chunk without gradients: a plain bmm; several: the chunked forward
+        torch.testing.assert_close(pool_dot(q, k, sources), (q.unsqueeze(1) * k[sources]).sum(-1))
     assert torch.autograd.gradcheck(lambda q, k: pool_dot(q, k, sources), (q, k))
     assert torch.autograd.gradcheck(lambda k: pool_dot(q.detach(), k, sources), (k,))  # grad_k alone
     with pytest.raises(ValueError, match="pool_dot"):
