@@ -169,10 +169,13 @@ class SheafStream(TokenStream):
         # the largest id of any type (the tokens'): 9 longs per token and stream, ~2% of the caches.
         self.node_rows = RowBuffer((_OUTPUT, batch_size), torch.long, device)
         self.num_blocks = [0] * batch_size  # complete content blocks per stream (the same in every cache)
-        # The position proposals of every position so far (a pure function of the position, the same for every
-        # stream and block), grown geometrically: a generation step reads its row instead of ~30 ops of hashing.
-        self.position_table: RowBuffer | None = None  # (positions, P1) token positions, -1: none
-        self.position_types: Tensor | None = None  # (P1,) their edge types
+        if model.config.gluing:
+            # The position proposals of every position so far (a pure function of the position, the same for
+            # every stream and block), grown geometrically: a generation step reads its row instead of ~30 ops.
+            near, types = model.blocks[0].topology.position_proposals(torch.zeros(1, dtype=torch.long, device=device),
+                                                                      torch.zeros(1, dtype=torch.long, device=device))
+            self.position_table = RowBuffer(near.shape[1:], torch.long, device)  # (positions, P1), -1: none
+            self.position_types = types[0]  # (P1,) their edge types, the same at every position
         self.num_rows = 0
         D, dtype = model.config.d_model, model.token_embedding.weight.dtype
         rank = model.config.topology_rank
@@ -272,16 +275,11 @@ class SheafStream(TokenStream):
     def _position_proposals(self, pos: Tensor) -> Tensor:
         """:meth:`LearnedTopology.position_proposals` of ``pos`` (M,) from the table, grown to cover every
         stream's positions so far (the same sources as computing them: the table holds that function's rows)."""
-        needed = max(site.num_tokens for site in self.sites)
-        table = self.position_table
-        if table is None or table.size < needed:
-            start = 0 if table is None else table.size
-            new = torch.arange(start, max(needed, 2 * start), device=self.device)
-            near, types = self.model.blocks[0].topology.position_proposals(new, torch.zeros_like(new))
-            if table is None:
-                self.position_table = table = RowBuffer(near.shape[1:], torch.long, self.device)
-                self.position_types = types[0]
-            table.write(table.extend(new.numel()), near)
+        needed, table = max(site.num_tokens for site in self.sites), self.position_table
+        if table.size < needed:
+            new = torch.arange(table.size, max(needed, 2 * table.size), device=self.device)
+            table.write(table.extend(new.numel()), self.model.blocks[0].topology.position_proposals(
+                new, torch.zeros_like(new))[0])
         return table.data[pos]
 
     def _write_rows(self, deltas, counts, first, type_ptr, first_row: int) -> tuple[Tensor, Tensor]:

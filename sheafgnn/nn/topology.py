@@ -277,8 +277,8 @@ class LearnedTopology(nn.Module):
         """(M, P1) the proposals that depend only on an output's position ``token_pos`` (M,) in its graph
         (whose first token is ``graph_start`` (M,)), -1: none, and their edge types: the tokens of its
         own block up to itself (NSA's sliding window, so that a match too recent for a complete block
-        still has a candidate; type content), then its random tokens. A stream computes them once per
-        new token for every block."""
+        still has a candidate; type content), then its random tokens. A stream keeps them in a table of
+        every position so far, read by every block."""
         sources, num_content = [], 0
         if self.content_blocks:
             recent = (token_pos - token_pos % self.block_size).unsqueeze(1) + torch.arange(
