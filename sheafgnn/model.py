@@ -106,6 +106,12 @@ class SheafStateConfig(ConfigFile):
     # how a content block's token keys are summarised for its score: "mean" (NSA / MoBA) or "bounds" (Quest: the
     # channel-wise max and min, an upper bound of the block's best token score; LearnedTopology, summarize_blocks)
     block_summary: str = "mean"
+    # keep only the candidates that outscore the destination's "nothing" logit (LearnedTopology sink_threshold): a
+    # destination may keep no edge, so the kept topology can be sparser than k per destination
+    sink_threshold: bool = False
+    # training: this weight times the expected kept edges per node, sum over kept e of sigmoid(s_e - s_sink), so
+    # that an edge stays only where its message pays more than it costs (with sink_threshold: a sparse topology)
+    keep_cost: float = 0.0
     balance_weight: float = 1e-2  # weight of the experts' load-balancing loss
     num_topics: int = 64  # topic ids embedded (ids wrap modulo this)
     gluing: bool = True  # False: Phi + token feed-forward only (the ssm ablation)
@@ -122,9 +128,9 @@ class SheafStateConfig(ConfigFile):
         if self.d_model % self.stalk_dim != 0:
             raise ValueError(f"SheafStateConfig: stalk_dim must divide d_model "
                              f"(got {self.stalk_dim} and {self.d_model})")
-        if min(self.pool_loss_weight, self.block_loss_weight) < 0:
-            raise ValueError(f"SheafStateConfig: pool_loss_weight and block_loss_weight must be >= 0 "
-                             f"(got {self.pool_loss_weight} and {self.block_loss_weight})")
+        if min(self.pool_loss_weight, self.block_loss_weight, self.keep_cost) < 0:
+            raise ValueError(f"SheafStateConfig: pool_loss_weight, block_loss_weight and keep_cost must be >= 0 "
+                             f"(got {self.pool_loss_weight}, {self.block_loss_weight} and {self.keep_cost})")
         if self.topology_k < 1 or self.proposal_block < 1 or min(self.content_blocks, self.random_proposals) < 0:
             raise ValueError(f"SheafStateConfig: need topology_k >= 1, proposal_block >= 1 and content_blocks, "
                              f"random_proposals >= 0 (got {self.topology_k}, {self.proposal_block}, "
@@ -171,7 +177,8 @@ class SheafBlock(nn.Module):
         self.topology = LearnedTopology(D, len(GLUE_EDGES), len(FLAT_TYPES), config.topology_k,
                                         rank=config.topology_rank, content_blocks=config.content_blocks,
                                         block_size=config.proposal_block, random_proposals=config.random_proposals,
-                                        block_scorer=config.block_scorer, block_summary=config.block_summary)
+                                        block_scorer=config.block_scorer, block_summary=config.block_summary,
+                                        sink_threshold=config.sink_threshold)
         # The softmax weights of the selection already normalise each destination's messages.
         self.glue = SheafConv(D, config.stalk_dim, map_kind=config.map_kind, num_edge_types=len(GLUE_EDGES),
                               normalize="none")
@@ -363,22 +370,26 @@ class SheafStateLM(nn.Module):
         balance and, per block, the next-token loss of the output states plus that block's pool read
         (:meth:`~sheafgnn.nn.topology.LearnedTopology._pool_read`; the states it reads are detached, so
         it trains the choice of edges, not the rest of the model) and the block scorer's distillation
-        loss (:meth:`~sheafgnn.nn.topology.LearnedTopology.block_distillation`)."""
+        loss (:meth:`~sheafgnn.nn.topology.LearnedTopology.block_distillation`) and the cost of the kept
+        edges (``keep_cost``)."""
         if "y" not in data["token"]:
             raise ValueError("SheafStateLM.loss: the site has no targets data['token'].y")
         c = self.config
         extras = Extras(pool_read=self.training and c.pool_loss_weight > 0,
                         block_loss=self.training and c.block_scorer and c.block_loss_weight > 0)
-        h_out, infos, _ = self._forward(data, extras)
+        h_out, infos, site = self._forward(data, extras)
         y = data["token"].y
         loss = self.readout_loss(h_out, y)
-        for info in infos:
+        for block, info in zip(self.blocks, infos):
             loss = loss + c.balance_weight * info["balance"]
             chosen = info.get("selection")
             if chosen is not None and chosen.pool_read is not None:
                 loss = loss + c.pool_loss_weight * self.readout_loss(h_out.detach() + chosen.pool_read, y)
             if chosen is not None and chosen.block_loss is not None:
                 loss = loss + c.block_loss_weight * chosen.block_loss
+            if chosen is not None and self.training and c.keep_cost > 0:
+                sink = block.topology.sink[site.node_type[chosen.edge_index[1]]]  # (E_kept,)
+                loss = loss + c.keep_cost * torch.sigmoid(chosen.score - sink).sum() / site.num_nodes
         return loss
 
     @torch.no_grad()

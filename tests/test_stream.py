@@ -40,12 +40,14 @@ def test_stream_equals_full_forward(full_config, text, chunk):
     torch.testing.assert_close(streamed, _full_logits(model, ids), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("map_kind,num_experts,block_scorer,block_summary",
-                         [("orthogonal", 2, False, "mean"), ("diag", 2, True, "mean"), ("general", 1, False, "mean"),
-                          ("diag", 1, False, "bounds"), ("diag", 1, True, "bounds")])
-def test_stream_equals_full_forward_every_map_kind(full_config, map_kind, num_experts, block_scorer, block_summary):
+@pytest.mark.parametrize("map_kind,num_experts,block_scorer,block_summary,sink_threshold",
+                         [("orthogonal", 2, False, "mean", False), ("diag", 2, True, "mean", False),
+                          ("general", 1, False, "mean", False), ("diag", 1, False, "bounds", False),
+                          ("diag", 1, True, "bounds", False), ("diag", 1, False, "mean", True)])
+def test_stream_equals_full_forward_every_map_kind(full_config, map_kind, num_experts, block_scorer, block_summary,
+                                                   sink_threshold):
     model = _model(full_config, map_kind=map_kind, num_experts=num_experts, proposal_block=4, content_blocks=3,
-                   block_scorer=block_scorer, block_summary=block_summary)
+                   block_scorer=block_scorer, block_summary=block_summary, sink_threshold=sink_threshold)
     ids = torch.tensor(list((PROSE + CODE).encode()))[:300]
     streamed = _streamed(model.stream(), ids, 13)
     torch.testing.assert_close(streamed, _full_logits(model, ids), atol=1e-4, rtol=1e-4)

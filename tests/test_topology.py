@@ -104,6 +104,27 @@ def test_sink_can_take_no_message(full_config):
     assert sel.weight.max() < 1e-9
 
 
+def test_sink_threshold_keeps_only_what_outscores_nothing(full_config):
+    torch.manual_seed(0)
+    model = SheafStateLM(small_model_config(full_config, topology_k=5, sink_threshold=True))
+    site_config = model.config.site_config
+    topology = model.blocks[0].topology
+    with torch.no_grad():
+        topology.sink.fill_(0.05)
+    sel, site = _selection(model, build_site(PROSE, site_config))
+    pool_index, _, pool_score = sel.candidates
+    sink = topology.sink[site.node_type]  # (N,)
+    assert (sel.score > sink[sel.edge_index[1]]).all()
+    # each destination keeps min(k, its candidates above the sink): the threshold drops some, the top-k others
+    above = torch.bincount(pool_index[1][pool_score > sink[pool_index[1]]], minlength=site.num_nodes)
+    kept = torch.bincount(sel.edge_index[1], minlength=site.num_nodes)
+    assert torch.equal(kept, above.clamp(max=5))
+    assert (above > 5).any() and ((above > 0) & (above < 5)).any()
+    with torch.no_grad():
+        topology.sink.fill_(30.0)
+    assert _selection(model, build_site(PROSE, site_config))[0].edge_index.size(1) == 0
+
+
 def test_pools_are_larger_than_what_is_kept(full_config):
     torch.manual_seed(0)
     model = SheafStateLM(small_model_config(full_config))
@@ -130,12 +151,14 @@ def test_scores_are_on_the_gradient_path(full_config):
         assert p.grad is not None and p.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("text,block_summary", [(PROSE, "mean"), (CODE, "mean"), (PROSE, "bounds")])
-def test_causal_with_content_proposals(text, block_summary, full_config):
+@pytest.mark.parametrize("text,block_summary,sink_threshold",
+                         [(PROSE, "mean", False), (CODE, "mean", False), (PROSE, "bounds", False),
+                          (CODE, "mean", True)])
+def test_causal_with_content_proposals(text, block_summary, sink_threshold, full_config):
     """Every patch type on, content proposals from small blocks so short texts have many."""
     torch.manual_seed(0)
     model = SheafStateLM(small_model_config(full_config, proposal_block=4, content_blocks=3, num_experts=2,
-                                            block_summary=block_summary))
+                                            block_summary=block_summary, sink_threshold=sink_threshold))
     sel, _ = _selection(model, build_site(text, model.config.site_config))
     assert (sel.edge_type == GLUE_EDGES.index(CONTENT_EDGE)).sum() > 0  # content edges are kept
     assert_logits_causal(model, text, trials=4)
@@ -194,7 +217,8 @@ def test_topology_input_and_repr(full_config):
     topo = model.blocks[0].topology
     assert isinstance(topo, LearnedTopology) and topo.sink.numel() == len(FLAT_TYPES)
     assert str(topo) == (f"LearnedTopology(32, num_edge_types={len(GLUE_EDGES)}, k=8, content_blocks=2, "
-                         "block_size=16, random_proposals=4, block_scorer=False, block_summary='mean')")
+                         "block_size=16, random_proposals=4, block_scorer=False, block_summary='mean', "
+                         "sink_threshold=False)")
     with pytest.raises(ValueError, match="block_summary must be one of"):
         LearnedTopology(32, 3, 2, k=1, block_summary="max")
     with pytest.raises(ValueError, match="k, rank and block_size"):
@@ -366,3 +390,27 @@ def test_block_distillation_by_hand():
         assert a.abs().sum() > 0
         torch.testing.assert_close(a, b)
     assert torch.autograd.grad(loss, score, allow_unused=True)[0] is None  # the teacher is detached
+
+
+def test_keep_cost_is_the_expected_kept_edges_per_node(full_config):
+    """The loss with keep_cost c is the loss without it plus c * sum over every block's kept edges of
+    sigmoid(s_e - s_sink) / nodes, in training only; its gradient raises the sinks."""
+    torch.manual_seed(0)
+    model = SheafStateLM(small_model_config(full_config, keep_cost=0.5, sink_threshold=True)).train()
+    data = build_site(PROSE, model.config.site_config)
+    data["token"].y = torch.roll(data["token"].x, -1)
+    with_cost = model.loss(data)
+    sinks = [block.topology.sink for block in model.blocks]
+    sink_grad = torch.autograd.grad(with_cost, sinks)
+    model.config.keep_cost = 0.0
+    plain = model.loss(data)
+    expected = 0.0
+    _, infos, site = model._forward(data)
+    for block, info in zip(model.blocks, infos):
+        sel = info["selection"]
+        expected += torch.sigmoid(sel.score - block.topology.sink[site.node_type[sel.edge_index[1]]]).sum()
+    torch.testing.assert_close(with_cost - plain, 0.5 * expected / site.num_nodes)
+    plain_grad = torch.autograd.grad(model.loss(data), sinks)
+    assert all((a - b).sum() < 0 for a, b in zip(sink_grad, plain_grad))  # descent raises the sinks
+    with pytest.raises(ValueError, match="keep_cost"):
+        small_model_config(full_config, keep_cost=-1.0)

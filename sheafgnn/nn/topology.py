@@ -20,7 +20,8 @@ would pass no gradient)::
                         W_bk x_u + W_bk' x_{u-1}, trained by distillation from the token scores
                         (DSA style, `LearnedTopology.block_distillation`)
       random proposals  `random_proposals` past tokens, a seeded hash of v's position (outputs only)
-    keep                the k best of the pool (all types together)
+    keep                the k best of the pool (all types together); with `sink_threshold`, only
+                        those that outscore v's "nothing" logit (v may keep none: no message, no edge)
     weight              alpha_e = softmax([s_kept..., s_sink(type of v)])_e
                         the learned "nothing" logit s_sink lets v take no message:
                         sum of alpha over v's kept edges = 1 - alpha_sink(v)
@@ -173,6 +174,9 @@ class LearnedTopology(nn.Module):
             keys. (default: :obj:`False`)
         block_summary (str, optional): how a block's token keys are summarised for its score,
             :obj:`"mean"` or :obj:`"bounds"` (:func:`summarize_blocks`). (default: :obj:`"mean"`)
+        sink_threshold (bool, optional): keep only candidates with :math:`s_e > s_{\varnothing, \kappa(v)}`
+            among the :math:`k` best, so that a destination the "nothing" logit outscores everywhere keeps
+            no edge. (default: :obj:`False`)
 
     Shapes:
         - **input:** node features :math:`(N, D)`, a :class:`TopologyInput`
@@ -181,7 +185,7 @@ class LearnedTopology(nn.Module):
 
     def __init__(self, channels: int, num_edge_types: int, num_node_types: int, k: int, rank: int = 16,
                  content_blocks: int = 2, block_size: int = 16, random_proposals: int = 4, seed: int = 0,
-                 block_scorer: bool = False, block_summary: str = "mean") -> None:
+                 block_scorer: bool = False, block_summary: str = "mean", sink_threshold: bool = False) -> None:
         super().__init__()
         name = self.__class__.__name__
         if block_summary not in BLOCK_SUMMARIES:
@@ -193,7 +197,7 @@ class LearnedTopology(nn.Module):
                              f"(got {content_blocks} and {random_proposals})")
         self.channels, self.num_edge_types, self.k, self.rank = channels, num_edge_types, k, rank
         self.content_blocks, self.block_size, self.block_summary = content_blocks, block_size, block_summary
-        self.random_proposals, self.seed = random_proposals, seed
+        self.random_proposals, self.seed, self.sink_threshold = random_proposals, seed, sink_threshold
         self.content_type, self.random_type = num_edge_types - 2, num_edge_types - 1
         self.query = nn.Linear(channels, rank, bias=False)
         self.key = nn.Linear(channels, rank, bias=False)
@@ -242,6 +246,8 @@ class LearnedTopology(nn.Module):
             keep (E,) the k best of each destination, and the softmax weights (E_kept,) of the kept ones.
         """
         keep = topk_per_group(score, dst, self.k)
+        if self.sink_threshold:
+            keep &= score > sink[dst]
         num_dst = sink.numel()
         logits = torch.cat([score[keep], sink])
         index = torch.cat([dst[keep], torch.arange(num_dst, device=dst.device)])
@@ -263,6 +269,8 @@ class LearnedTopology(nn.Module):
         """
         top, pick = score.sort(dim=1, descending=True, stable=True)
         top, pick = top[:, : self.k], pick[:, : self.k]  # (M, k)
+        if self.sink_threshold:  # a candidate that "nothing" outscores is not taken (kept: finite)
+            top = top.masked_fill(top <= sink, float("-inf"))
         weight = torch.cat([top, sink], 1).softmax(1)[:, :-1]  # (M, k): -inf -> 0
         return top, pick, weight
 
@@ -453,4 +461,4 @@ class LearnedTopology(nn.Module):
         return (f"{self.__class__.__name__}({self.channels}, num_edge_types={self.num_edge_types}, k={self.k}, "
                 f"content_blocks={self.content_blocks}, block_size={self.block_size}, "
                 f"random_proposals={self.random_proposals}, block_scorer={self.block_scorer}, "
-                f"block_summary={self.block_summary!r})")
+                f"block_summary={self.block_summary!r}, sink_threshold={self.sink_threshold})")
