@@ -83,7 +83,7 @@ def test_evaluate_scores_only_scored_positions():
     x, y = spec.sample(6, 64, torch.Generator().manual_seed(config.seed + 1_000_003 * 64 + 7))  # evaluate's rows
     ambiguous = int((earlier_occurrences(x)[y != IGNORE_INDEX] >= 2).sum())
     assert result == {"accuracy": 1.0, "scored": 6 * 4, "rows": 6, "accuracy_ambiguous": 1.0 if ambiguous else None,
-                      "scored_ambiguous": ambiguous, "accuracy_unambiguous": 1.0}
+                      "scored_ambiguous": ambiguous, "accuracy_unambiguous": 1.0, "kept_per_output": None}
     wrong = Oracle(64)
     wrong.forward = lambda batch: nn.functional.one_hot(torch.zeros_like(batch["token"].y), 64).float()
     assert evaluate(wrong, spec, 64, 6, config, site)["accuracy"] == 0.0  # values are never id 0
@@ -149,8 +149,12 @@ def test_curve_and_summary_rows(tmp_path):
     assert mqar_sheaf == {"task": "mqar", "seq_len": 64, "train_len": 64, "pairs": 4, "vocab": 64, "model": "sheaf",
                           "hash_retrieval": False, "topology_rank": 16, "topology_k": 8, "content_blocks": 2,
                           "proposal_block": 16, "pool_loss_weight": 1.0, "block_scorer": False,
-                          "block_summary": "mean", "warmup": None, "lr": config.lr, "accuracy": curve[-1]["accuracy"],
+                          "block_summary": "mean", "sink_threshold": False, "keep_cost": 0.0, "warmup": None,
+                          "lr": config.lr, "accuracy": curve[-1]["accuracy"],
                           "steps": 4, "tokens": 4 * 2 * 64, "seconds": mqar_sheaf["seconds"]}
+    kept = report["tasks"]["mqar"]["models"]["sheaf"]["kept_per_output"]  # per block, at most topology_k
+    assert len(kept) == config.n_layers and all(0 < k <= 8 for k in kept) and "kept_per_output" not in \
+        report["tasks"]["mqar"]["models"]["dense"]
     assert (tmp_path / "a" / "curves.png").stat().st_size > 0
     run_tasks(TasksConfig.quick(out_dir=str(tmp_path / "b"), steps=1, num_threads=1, tasks=("mqar",),
                                 models=("sheaf",), hash_retrieval=True, summary=str(summary)))

@@ -254,15 +254,20 @@ def waste_of_selection(row: dict, fixed: dict) -> float | None:
 
 def learned_model_config(d_model: int = 32, n_layers: int = 2, topology_k: int = 2,
                          site_config: SiteConfig | None = None, model_set: tuple[str, ...] = ()) -> SheafStateConfig:
-    """A small :class:`~sheafgnn.model.SheafStateConfig` for the learned-topology run; the pools
-    (content blocks, block size, random proposals, scorer rank) keep the config's defaults unless
-    ``model_set`` (``KEY=VALUE`` assignments, :meth:`~sheafgnn.config.ConfigFile.with_overrides`)
-    changes them, e.g. ``("pool_loss_weight=0",)``. The study trains the choice with the pool-read
-    loss and scores content blocks with the block scorer (both off in the default config), as the
-    committed ``learned_topology.json`` was."""
+    """A small :class:`~sheafgnn.model.SheafStateConfig` for the learned-topology run; ``model_set``
+    (``KEY=VALUE`` assignments, :meth:`~sheafgnn.config.ConfigFile.with_overrides`) changes any field,
+    e.g. ``("keep_cost=0",)``.
+
+    The pools are those that solved MQAR with hash retrieval off (``configs/tasks.yaml``): scorer rank
+    64, 32 content blocks of 4 tokens scored by their bounds, trained with the pool-read loss. A
+    candidate is kept only when it outscores the destination's "nothing" logit (``sink_threshold``),
+    and every kept edge costs ``keep_cost`` = 0.02 in training, so that the kept topology holds only
+    edges whose messages pay: with plain top-k every output keeps k edges whatever their weight
+    (200k kept edges at 32k tokens, waste 87%, the same eval loss; README)."""
     site_config = site_config if site_config is not None else matched_site_config()
     return SheafStateConfig(d_model=d_model, n_layers=n_layers, stalk_dim=4, d_state=16, headdim=16,
-                            topology_k=topology_k, pool_loss_weight=1.0, block_scorer=True,
+                            topology_k=topology_k, topology_rank=64, content_blocks=32, proposal_block=4,
+                            block_summary="bounds", pool_loss_weight=1.0, sink_threshold=True, keep_cost=0.02,
                             site=site_config.to_dict()).with_overrides(model_set)
 
 
@@ -315,7 +320,7 @@ def train_learned(model: SheafStateLM, sequences: Tensor | list[Tensor], site_co
 
 
 def run_learned(n_train: int = 1 << 19, n_eval: int = 32768, steps: int = 4500, seed: int = 0,
-                window: int = 1024, batch: int = 1, lr: float = 5e-3, d_model: int = 32, n_layers: int = 2,
+                window: int = 1024, batch: int = 1, lr: float = 2e-3, d_model: int = 32, n_layers: int = 2,
                 topology_k: int = 2, model_set: tuple[str, ...] = (), hops: int = 3,
                 thresholds: tuple[float, ...] = WEIGHT_THRESHOLDS,
                 growth_ns: tuple[int, ...] = tuple(2**k for k in range(12, 17)),
@@ -336,7 +341,7 @@ def run_learned(n_train: int = 1 << 19, n_eval: int = 32768, steps: int = 4500, 
         steps (int): optimizer steps (default: :obj:`4500`).
         seed (int): evaluation sequence, model init and window order (default: :obj:`0`).
         window, batch (int): tokens per training window, windows per step (default: :obj:`1024`, :obj:`1`).
-        lr (float): peak AdamW learning rate; 5% warm-up, cosine to lr / 10 (default: :obj:`5e-3`).
+        lr (float): peak AdamW learning rate; 5% warm-up, cosine to lr / 10 (default: :obj:`2e-3`).
         d_model, n_layers, topology_k (int): the model (:func:`learned_model_config`; default:
             :obj:`32`, :obj:`2`, :obj:`2`).
         model_set (tuple): further ``KEY=VALUE`` fields of the model's config (default: none).

@@ -215,7 +215,7 @@ def parse_simulate_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="--learned: optimizer steps (default: 4500)")
     parser.add_argument("--n-train", type=at_least(8), default=1 << 19,
                         help="--learned: training tokens (default: 2^19)")
-    parser.add_argument("--lr", type=float, default=5e-3, help="--learned: peak learning rate (default: 5e-3)")
+    parser.add_argument("--lr", type=float, default=2e-3, help="--learned: peak learning rate (default: 2e-3)")
     parser.add_argument("--train-window", type=at_least(2), default=1024,
                         help="--learned: tokens per window (default: 1024)")
     parser.add_argument("--topology-k", type=at_least(1), default=2,

@@ -14,11 +14,11 @@ from sheafgnn.model import SheafStateConfig
 
 SUMMARY_KEY = ("task", "seq_len", "train_len", "pairs", "vocab", "model", "hash_retrieval", "topology_rank",
                "topology_k", "content_blocks", "proposal_block", "pool_loss_weight", "block_scorer",
-               "block_summary", "warmup", "lr", "steps")  # one row per key
+               "block_summary", "sink_threshold", "keep_cost", "warmup", "lr", "steps")  # one row per key
 
 
 def _summary_key(row: dict) -> tuple:
-    # rows written before a key existed lack it: None (block_scorer, block_summary: before they existed)
+    # rows written before a key existed lack it: None (block_scorer, block_summary, sink_threshold, keep_cost)
     return tuple(str(row.get(k)) if isinstance(row.get(k), list) else row.get(k) for k in SUMMARY_KEY)
 
 
@@ -27,19 +27,18 @@ def _summary_order(row: dict) -> tuple:
 
 
 def summary_rows(report: dict) -> list[dict]:
-    """One row per task, test length and model: ``task, seq_len, train_len, pairs, vocab, model,
-    hash_retrieval, topology_rank, topology_k, content_blocks, proposal_block, pool_loss_weight,
-    block_scorer, block_summary, warmup, lr, accuracy, steps, tokens, seconds`` (``pairs``: MQAR only;
-    ``hash_retrieval``: whether the sheaf model's site had its hash retrieval rule, False for the models
-    that read ids only; ``topology_rank`` ... ``block_summary``: the sheaf model's topology and its
-    training, None for the others; ``warmup``: the MQAR curriculum's [sequence, pairs, steps] trained
-    first, None without; ``steps``, ``tokens`` and ``seconds`` count it in). A curriculum also gives the
-    row of its final model on the warm-up task: ``seq_len`` and ``pairs`` the warm-up's, ``train_len``
-    the main task's.)"""
+    """One row per task, test length and model: ``task, seq_len, train_len, pairs, vocab, model, hash_retrieval,
+    topology_rank, topology_k, content_blocks, proposal_block, pool_loss_weight, block_scorer, block_summary,
+    sink_threshold, keep_cost, warmup, lr, accuracy, steps, tokens, seconds`` (``pairs``: MQAR only;
+    ``hash_retrieval``: whether the sheaf model's site had its hash retrieval rule, False for the models that
+    read ids only; ``topology_rank`` ... ``keep_cost``: the sheaf model's topology and its training, None for
+    the others; ``warmup``: the MQAR curriculum's [sequence, pairs, steps] trained first, None without;
+    ``steps``, ``tokens`` and ``seconds`` count it in). A curriculum also gives the row of its final model on
+    the warm-up task: ``seq_len`` and ``pairs`` the warm-up's, ``train_len`` the main task's.)"""
     cfg, rows = report["config"], []
     sheaf = {**SheafStateConfig().to_dict(), **cfg["sheaf"]}
     topology = ("topology_rank", "topology_k", "content_blocks", "proposal_block", "pool_loss_weight",
-                "block_scorer", "block_summary")
+                "block_scorer", "block_summary", "sink_threshold", "keep_cost")
     for task, r in report["tasks"].items():
         for kind, m in r["models"].items():
             for length, accuracy in m["accuracy"].items():

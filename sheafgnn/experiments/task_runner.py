@@ -74,6 +74,7 @@ from sheafgnn.experiments.task_report import figures, markdown, merge_summary, s
 from sheafgnn.experiments.tasks import IGNORE_INDEX, induction_heads, mqar, selective_copying
 from sheafgnn.lm import MODEL_KINDS, build_model, count_model_parameters, matched_options, print_parameter_counts
 from sheafgnn.memory import tune_cpu_process
+from sheafgnn.model import SheafStateLM
 from sheafgnn.optim import cosine_lr, make_optimizer
 from sheafgnn.site import SiteConfig, build_site
 from sheafgnn.train import resolve_device, train_step
@@ -307,7 +308,9 @@ def evaluate(model: nn.Module, spec: TaskSpec, length: int, examples: int, confi
     split by whether the scored position's input id occurred at least twice
     before it in its row (``ambiguous``): in MQAR, a query whose key also
     appeared as noise after its pair, where the token after that earlier
-    occurrence is a decoy; in induction heads, a trigger seen more than once.
+    occurrence is a decoy; in induction heads, a trigger seen more than once. For a sheaf model
+    with gluing, ``kept_per_output`` holds each block's kept gluing edges per output node (all edge
+    types) on the first batch of rows: how many messages its selection really takes.
     """
     device, tokenizer = resolve_device(config.device), TaskTokenizer(spec.vocab_size)
     generator = torch.Generator().manual_seed(config.seed + 1_000_003 * length + 7)
@@ -316,8 +319,13 @@ def evaluate(model: nn.Module, spec: TaskSpec, length: int, examples: int, confi
     rows = max(1, config.eval_tokens // length)  # rows per forward pass
     model.eval()
     correct = scored = correct_ambiguous = scored_ambiguous = 0
+    kept_per_output = None
     for i in range(0, examples, rows):
         batch = to_sites(x[i : i + rows], y[i : i + rows], site_config, tokenizer).to(device)
+        if i == 0 and isinstance(model, SheafStateLM) and model.config.gluing:
+            kept_per_output = [sum(int(e["edge_index"].size(1)) for t, e in model.topology(batch, block=b).items()
+                                   if t[2] == "output") / batch["output"].num_nodes
+                               for b in range(len(model.blocks))]
         pred = model(batch).argmax(-1)  # (rows * T,)
         target = batch["token"].y
         mask = target != IGNORE_INDEX
@@ -331,7 +339,8 @@ def evaluate(model: nn.Module, spec: TaskSpec, length: int, examples: int, confi
     return {"accuracy": correct / max(scored, 1), "scored": scored, "rows": examples,
             "accuracy_ambiguous": correct_ambiguous / scored_ambiguous if scored_ambiguous else None,
             "scored_ambiguous": scored_ambiguous,
-            "accuracy_unambiguous": (correct - correct_ambiguous) / clear if clear else None}
+            "accuracy_unambiguous": (correct - correct_ambiguous) / clear if clear else None,
+            "kept_per_output": kept_per_output}
 
 
 def _fraction(value: float | None) -> str:
@@ -398,6 +407,8 @@ def run_task(spec: TaskSpec, config: TasksConfig) -> dict:
             r = evaluate(model, spec, length, examples, config, site_config)
             accuracy[str(length)], scored[str(length)] = r["accuracy"], r["scored"]
             split[str(length)] = {k: r[k] for k in ("accuracy_ambiguous", "scored_ambiguous", "accuracy_unambiguous")}
+            if length == spec.train_len and r["kept_per_output"] is not None:
+                result["kept_per_output"] = r["kept_per_output"]
         result.update(accuracy=accuracy, scored=scored, ambiguity=split)
         if warmup is not None:  # the curriculum's final model on the shorter task too: one model for both
             result["warmup"]["final_accuracy"] = evaluate(model, short, short.train_len, config.test_examples, config,
