@@ -125,6 +125,36 @@ def test_sink_threshold_keeps_only_what_outscores_nothing(full_config):
     assert _selection(model, build_site(PROSE, site_config))[0].edge_index.size(1) == 0
 
 
+def test_sink_threshold_trains_straight_through(full_config):
+    """In training the candidates below the sink stay with weight exactly 0 (the logits equal evaluation's)
+    and a gradient on their scores; in evaluation they are dropped."""
+    torch.manual_seed(0)
+    model = SheafStateLM(small_model_config(full_config, topology_k=5, sink_threshold=True))
+    data = build_site(PROSE, model.config.site_config)
+    with torch.no_grad():
+        for block in model.blocks:
+            block.topology.sink.fill_(0.05)
+        logits_eval = model.eval()(data)
+    model.train()
+    torch.testing.assert_close(model(data), logits_eval)
+    _, infos, site = model._forward(data)
+    sel = infos[0]["selection"]
+    below = sel.score <= model.blocks[0].topology.sink[site.node_type[sel.edge_index[1]]]
+    assert below.any() and (sel.weight[below] == 0).all() and (sel.weight[~below] > 0).all()
+    assert sel.edge_index.size(1) == _selection(model, data)[0].edge_index.size(1) + int(below.sum())
+    # the straight-through gradient, on the competition itself
+    topology = LearnedTopology(8, 3, 2, k=3, sink_threshold=True)
+    score = torch.tensor([[2.0, -1.0, 0.5, -3.0], [-2.0, -1.5, -1.0, -4.0]], requires_grad=True)
+    sink = torch.zeros(2, 1)
+    top, pick, weight = topology.compete_dense(score, sink)
+    below = top <= 0
+    assert below.tolist() == [[False, False, True], [True, True, True]] and (weight[below] == 0).all()
+    (weight * torch.arange(1.0, 7.0).view(2, 3)).sum().backward()
+    assert (score.grad[1, :3] != 0).all() and score.grad[1, 3] == 0  # below the sink, kept: a gradient
+    top_eval, _, weight_eval = topology.eval().compete_dense(score.detach(), sink)
+    assert torch.isinf(top_eval[below]).all() and torch.equal(weight_eval, weight.detach())
+
+
 def test_pools_are_larger_than_what_is_kept(full_config):
     torch.manual_seed(0)
     model = SheafStateLM(small_model_config(full_config))

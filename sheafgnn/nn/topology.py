@@ -21,7 +21,8 @@ would pass no gradient)::
                         (DSA style, `LearnedTopology.block_distillation`)
       random proposals  `random_proposals` past tokens, a seeded hash of v's position (outputs only)
     keep                the k best of the pool (all types together); with `sink_threshold`, only
-                        those that outscore v's "nothing" logit (v may keep none: no message, no edge)
+                        those that outscore v's "nothing" logit (v may keep none: no message, no edge);
+                        in training the others stay with weight 0 and a straight-through gradient
     weight              alpha_e = softmax([s_kept..., s_sink(type of v)])_e
                         the learned "nothing" logit s_sink lets v take no message:
                         sum of alpha over v's kept edges = 1 - alpha_sink(v)
@@ -176,7 +177,9 @@ class LearnedTopology(nn.Module):
             :obj:`"mean"` or :obj:`"bounds"` (:func:`summarize_blocks`). (default: :obj:`"mean"`)
         sink_threshold (bool, optional): keep only candidates with :math:`s_e > s_{\varnothing, \kappa(v)}`
             among the :math:`k` best, so that a destination the "nothing" logit outscores everywhere keeps
-            no edge. (default: :obj:`False`)
+            no edge; the weights are those of the softmax over all :math:`k` and the sink, zero for the
+            others, which in training stay in the selection with a straight-through gradient
+            (:meth:`_straight_through_zero`). (default: :obj:`False`)
 
     Shapes:
         - **input:** node features :math:`(N, D)`, a :class:`TopologyInput`
@@ -246,12 +249,18 @@ class LearnedTopology(nn.Module):
             keep (E,) the k best of each destination, and the softmax weights (E_kept,) of the kept ones.
         """
         keep = topk_per_group(score, dst, self.k)
-        if self.sink_threshold:
-            keep &= score > sink[dst]
         num_dst = sink.numel()
         logits = torch.cat([score[keep], sink])
         index = torch.cat([dst[keep], torch.arange(num_dst, device=dst.device)])
         weight = segment_softmax(logits, index, num_nodes=num_dst)[: logits.numel() - num_dst]
+        if self.sink_threshold:
+            below = score[keep] <= sink[dst[keep]]  # (E_kept,)
+            if self.training:
+                weight = self._straight_through_zero(weight, below)
+            else:
+                keep = keep.clone()
+                keep[keep.nonzero().squeeze(1)[below]] = False
+                weight = weight[~below]
         return keep, weight
 
     def compete_dense(self, score: Tensor, sink: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -269,10 +278,21 @@ class LearnedTopology(nn.Module):
         """
         top, pick = score.sort(dim=1, descending=True, stable=True)
         top, pick = top[:, : self.k], pick[:, : self.k]  # (M, k)
-        if self.sink_threshold:  # a candidate that "nothing" outscores is not taken (kept: finite)
-            top = top.masked_fill(top <= sink, float("-inf"))
         weight = torch.cat([top, sink], 1).softmax(1)[:, :-1]  # (M, k): -inf -> 0
+        if self.sink_threshold:
+            below = top <= sink  # (M, k)
+            if self.training:
+                weight = self._straight_through_zero(weight, below)
+            else:  # not kept: -inf, weight 0
+                top, weight = top.masked_fill(below, float("-inf")), weight.masked_fill(below, 0.0)
         return top, pick, weight
+
+    @staticmethod
+    def _straight_through_zero(weight: Tensor, below: Tensor) -> Tensor:
+        """``weight`` with exact zeros where ``below`` and, there, the gradient of ``weight`` itself
+        (straight-through, SparseK style): the message of a candidate the "nothing" logit outscores is
+        not taken, but the loss still tells its score whether taking it would pay."""
+        return torch.where(below, weight - weight.detach(), weight)
 
     def block_proposals(self, blocks: Tensor) -> tuple[Tensor, Tensor]:
         """(M, m * B) the tokens of every output's chosen blocks ``blocks`` (M, m) (first token of each,
