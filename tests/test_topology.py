@@ -109,6 +109,10 @@ def test_sink_threshold_keeps_only_what_outscores_nothing(full_config):
     model = SheafStateLM(small_model_config(full_config, topology_k=5, sink_threshold=True))
     site_config = model.config.site_config
     topology = model.blocks[0].topology
+    torch.manual_seed(0)
+    plain = SheafStateLM(small_model_config(full_config, topology_k=5))
+    kept_at_init = _selection(model, build_site(PROSE, site_config))[0].edge_index
+    assert torch.equal(kept_at_init, _selection(plain, build_site(PROSE, site_config))[0].edge_index)  # sink at -4
     with torch.no_grad():
         topology.sink.fill_(0.05)
     sel, site = _selection(model, build_site(PROSE, site_config))
