@@ -258,18 +258,19 @@ def learned_model_config(d_model: int = 32, n_layers: int = 2, topology_k: int =
                          site_config: SiteConfig | None = None, model_set: tuple[str, ...] = ()) -> SheafStateConfig:
     """A small :class:`~sheafgnn.model.SheafStateConfig` for the learned-topology run; ``model_set``
     (``KEY=VALUE`` assignments, :meth:`~sheafgnn.config.ConfigFile.with_overrides`) changes any field,
-    e.g. ``("keep_cost=0",)``.
+    e.g. ``("keep_cost=0.02",)``.
 
     The pools are those that solved MQAR with hash retrieval off (``configs/tasks.yaml``): scorer rank
     64, 32 content blocks of 4 tokens scored by their bounds, trained with the pool-read loss. A
-    candidate is kept only when it outscores the destination's "nothing" logit (``sink_threshold``),
-    and every kept edge costs ``keep_cost`` = 0.02 in training, so that the kept topology holds only
-    edges whose messages pay: with plain top-k every output keeps k edges whatever their weight
-    (200k kept edges at 32k tokens, waste 87%, the same eval loss; README)."""
+    candidate is kept only when it outscores the destination's "nothing" logit (``sink_threshold``,
+    which starts that logit at -4, below every score). With it the model learns to copy entity values
+    through its topology (value-copy loss 0.56 nats against 1.2 before; AUC per destination 0.72
+    against 0.21); with ``keep_cost`` 0.02 on top it keeps only a few hundred edges (waste 34%) but
+    learns no long-range dependency (README)."""
     site_config = site_config if site_config is not None else matched_site_config()
     return SheafStateConfig(d_model=d_model, n_layers=n_layers, stalk_dim=4, d_state=16, headdim=16,
                             topology_k=topology_k, topology_rank=64, content_blocks=32, proposal_block=4,
-                            block_summary="bounds", pool_loss_weight=1.0, sink_threshold=True, keep_cost=0.02,
+                            block_summary="bounds", pool_loss_weight=1.0, sink_threshold=True,
                             site=site_config.to_dict()).with_overrides(model_set)
 
 
