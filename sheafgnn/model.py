@@ -110,7 +110,8 @@ class SheafStateConfig(ConfigFile):
     # destination may keep no edge, so the kept topology can be sparser than k per destination
     sink_threshold: bool = False
     # training: this weight times the expected kept edges per node, sum over kept e of sigmoid(s_e - s_sink), so
-    # that an edge stays only where its message pays more than it costs (with sink_threshold: a sparse topology)
+    # that an edge stays only where its message pays more than it costs. Off: at 0.02 the learned-topology study
+    # kept a few hundred edges but learned no long-range dependency, and MQAR (128, 8) stalled at chance (README)
     keep_cost: float = 0.0
     balance_weight: float = 1e-2  # weight of the experts' load-balancing loss
     num_topics: int = 64  # topic ids embedded (ids wrap modulo this)
