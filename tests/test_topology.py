@@ -428,7 +428,7 @@ def test_block_distillation_by_hand():
 
 def test_keep_cost_is_the_expected_kept_edges_per_node(full_config):
     """The loss with keep_cost c is the loss without it plus c * sum over every block's kept edges of
-    sigmoid(s_e - s_sink) / nodes, in training only; its gradient raises the sinks."""
+    sigmoid(s_e - s_sink) / nodes, in training; its gradient raises the sinks."""
     torch.manual_seed(0)
     model = SheafStateLM(small_model_config(full_config, keep_cost=0.5, sink_threshold=True)).train()
     data = build_site(PROSE, model.config.site_config)

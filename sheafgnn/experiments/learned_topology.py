@@ -6,8 +6,8 @@ prediction on independent synthetic sequences
 competition (:class:`~sheafgnn.nn.topology.LearnedTopology`): every
 destination scores a pool of rule, content-addressed and random candidates,
 keeps the k best of those that outscore its learned "nothing" logit (none,
-if none does) and weighs them by a softmax with that logit; every kept edge
-costs ``keep_cost`` in training (:func:`learned_model_config`).
+if none does) and weighs them by a softmax with that logit
+(:func:`learned_model_config`).
 On an evaluation sequence (seed ``seed``, the one the paper's table scores)
 the study asks whether the scorer ranks the candidates that realise G*'s
 long-range dependencies first, whether the pools hold them at all, how much

@@ -310,7 +310,8 @@ def evaluate(model: nn.Module, spec: TaskSpec, length: int, examples: int, confi
     appeared as noise after its pair, where the token after that earlier
     occurrence is a decoy; in induction heads, a trigger seen more than once. For a sheaf model
     with gluing, ``kept_per_output`` holds each block's kept gluing edges per output node (all edge
-    types) on the first batch of rows: how many messages its selection really takes.
+    types) on the first batch of rows at the training length (None at other lengths): how many
+    messages its selection really takes.
     """
     device, tokenizer = resolve_device(config.device), TaskTokenizer(spec.vocab_size)
     generator = torch.Generator().manual_seed(config.seed + 1_000_003 * length + 7)
@@ -322,7 +323,7 @@ def evaluate(model: nn.Module, spec: TaskSpec, length: int, examples: int, confi
     kept_per_output = None
     for i in range(0, examples, rows):
         batch = to_sites(x[i : i + rows], y[i : i + rows], site_config, tokenizer).to(device)
-        if i == 0 and isinstance(model, SheafStateLM) and model.config.gluing:
+        if i == 0 and length == spec.train_len and isinstance(model, SheafStateLM) and model.config.gluing:
             kept_per_output = [sum(int(e["edge_index"].size(1)) for t, e in model.topology(batch, block=b).items()
                                    if t[2] == "output") / batch["output"].num_nodes
                                for b in range(len(model.blocks))]
@@ -407,7 +408,7 @@ def run_task(spec: TaskSpec, config: TasksConfig) -> dict:
             r = evaluate(model, spec, length, examples, config, site_config)
             accuracy[str(length)], scored[str(length)] = r["accuracy"], r["scored"]
             split[str(length)] = {k: r[k] for k in ("accuracy_ambiguous", "scored_ambiguous", "accuracy_unambiguous")}
-            if length == spec.train_len and r["kept_per_output"] is not None:
+            if r["kept_per_output"] is not None:
                 result["kept_per_output"] = r["kept_per_output"]
         result.update(accuracy=accuracy, scored=scored, ambiguity=split)
         if warmup is not None:  # the curriculum's final model on the shorter task too: one model for both

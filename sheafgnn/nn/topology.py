@@ -263,9 +263,7 @@ class LearnedTopology(nn.Module):
             if self.training:
                 weight = self._straight_through_zero(weight, below)
             else:
-                keep = keep.clone()
-                keep[keep.nonzero().squeeze(1)[below]] = False
-                weight = weight[~below]
+                keep, weight = keep.masked_scatter(keep, ~below), weight[~below]
         return keep, weight
 
     def compete_dense(self, score: Tensor, sink: Tensor) -> tuple[Tensor, Tensor, Tensor]:
