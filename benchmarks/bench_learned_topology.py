@@ -2,7 +2,7 @@
 
 ::
 
-    python benchmarks/bench_learned_topology.py [--steps 4500] [--n-train 524288] [--topology-k 2]
+    python benchmarks/bench_learned_topology.py [--steps 12000] [--n-train 1048576] [--topology-k 2]
                                                 [--max-seconds 480] [--out benchmarks/results]
 
 Writes ``learned_topology.json`` and ``learned_topology.png`` (the

@@ -211,10 +211,10 @@ def parse_simulate_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default="runs/simulate", help="output folder (default: runs/simulate)")
     parser.add_argument("--learned", action="store_true",
                         help="instead: train SheafStateLM and score its learned topology (learned_topology.json)")
-    parser.add_argument("--steps", type=at_least(1), default=4500,
-                        help="--learned: optimizer steps (default: 4500)")
-    parser.add_argument("--n-train", type=at_least(8), default=1 << 19,
-                        help="--learned: training tokens (default: 2^19)")
+    parser.add_argument("--steps", type=at_least(1), default=12000,
+                        help="--learned: optimizer steps (default: 12000)")
+    parser.add_argument("--n-train", type=at_least(8), default=1 << 20,
+                        help="--learned: training tokens (default: 2^20)")
     parser.add_argument("--lr", type=float, default=2e-3, help="--learned: peak learning rate (default: 2e-3)")
     parser.add_argument("--train-window", type=at_least(2), default=1024,
                         help="--learned: tokens per window (default: 1024)")
