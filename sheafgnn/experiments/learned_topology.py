@@ -264,8 +264,9 @@ def learned_model_config(d_model: int = 32, n_layers: int = 2, topology_k: int =
     64, 32 content blocks of 4 tokens scored by their bounds, trained with the pool-read loss. A
     candidate is kept only when it outscores the destination's "nothing" logit (``sink_threshold``,
     which starts that logit at -4, below every score). With it the model learns to copy entity values
-    through its topology (value-copy loss 0.56 nats against 1.2 before; AUC per destination 0.72
-    against 0.21). The start at -4 does it: in that run no kept candidate ever fell below the sink,
+    through its topology: after 4,500 steps value-copy loss 0.56 nats against 1.2 before, AUC per
+    destination 0.72 against 0.21; after 12,000 (:func:`run_learned`'s default) 0.07 nats, coverage
+    99.2%. The start at -4 does it: in the 4,500-step run no kept candidate ever fell below the sink,
     and the same run without the threshold, the logit from -4, gives the same figures to the last
     digit. With ``keep_cost`` 0.02 on top it keeps only a few hundred edges (waste 34%) but learns no
     long-range dependency (README)."""
