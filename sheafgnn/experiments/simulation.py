@@ -36,12 +36,13 @@ project's recorded results in ``benchmarks/results`` are written by
 from __future__ import annotations
 
 import argparse
+import inspect
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 from sheafgnn.config import ArgumentParser, at_least
-from sheafgnn.experiments.learned_topology import main_learned
+from sheafgnn.experiments.learned_topology import main_learned, run_learned
 from sheafgnn.experiments.report import fit_exponent, label_loglog, power_law_label, pyplot, save_figure, write_json
 from sheafgnn.experiments.synthetic import (
     PAPER,
@@ -211,15 +212,17 @@ def parse_simulate_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default="runs/simulate", help="output folder (default: runs/simulate)")
     parser.add_argument("--learned", action="store_true",
                         help="instead: train SheafStateLM and score its learned topology (learned_topology.json)")
-    parser.add_argument("--steps", type=at_least(1), default=12000,
-                        help="--learned: optimizer steps (default: 12000)")
-    parser.add_argument("--n-train", type=at_least(8), default=1 << 20,
-                        help="--learned: training tokens (default: 2^20)")
-    parser.add_argument("--lr", type=float, default=2e-3, help="--learned: peak learning rate (default: 2e-3)")
-    parser.add_argument("--train-window", type=at_least(2), default=1024,
-                        help="--learned: tokens per window (default: 1024)")
-    parser.add_argument("--topology-k", type=at_least(1), default=2,
-                        help="--learned: gluing edges kept per destination (default: 2)")
+    learned = {name: p.default for name, p in inspect.signature(run_learned).parameters.items()}  # one set of defaults
+    parser.add_argument("--steps", type=at_least(1), default=learned["steps"],
+                        help=f"--learned: optimizer steps (default: {learned['steps']})")
+    parser.add_argument("--n-train", type=at_least(8), default=learned["n_train"],
+                        help=f"--learned: training tokens (default: {learned['n_train']})")
+    parser.add_argument("--lr", type=float, default=learned["lr"],
+                        help=f"--learned: peak learning rate (default: {learned['lr']})")
+    parser.add_argument("--train-window", type=at_least(2), default=learned["window"],
+                        help=f"--learned: tokens per window (default: {learned['window']})")
+    parser.add_argument("--topology-k", type=at_least(1), default=learned["topology_k"],
+                        help=f"--learned: gluing edges kept per destination (default: {learned['topology_k']})")
     parser.add_argument("--set", dest="model_set", action="append", default=[], metavar="KEY=VALUE",
                         help="--learned: a field of the model's SheafStateConfig, e.g. pool_loss_weight=0")
     parser.add_argument("--max-seconds", type=float, default=None, help="--learned: stop training after this long")
