@@ -1,12 +1,16 @@
 """The learned-topology study: training, the pools against G*, weights, the union over blocks, references, plots."""
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
 
+from sheafgnn.checkpoint import STATE, CheckpointError, latest_checkpoint
 from sheafgnn.experiments import learned_topology as LT
 from sheafgnn.experiments import pool_scoring as P
 from sheafgnn.experiments import synthetic as Y
+from sheafgnn.experiments.learned_model import load_learned_model
 from sheafgnn.model import SheafStateLM
 from sheafgnn.site import SiteConfig, build_site
 from sheafgnn.site.schema import CONTENT_EDGE, RANDOM_EDGE
@@ -15,10 +19,35 @@ ROWS = {"kept", "weight>0.1", "weight>0.25", "weight>0.5"}
 
 
 @pytest.fixture(scope="module")
-def learned() -> dict:
+def saved_model(tmp_path_factory):
+    return tmp_path_factory.mktemp("learned") / "model"
+
+
+@pytest.fixture(scope="module")
+def learned(saved_model) -> dict:
     torch.set_num_threads(1)
     return LT.run_learned(n_train=2048, n_eval=512, steps=3, window=256, d_model=16, n_layers=2,
-                          growth_ns=(256, 512), log_every=1)
+                          growth_ns=(256, 512), log_every=1, save_model=saved_model)
+
+
+def test_saved_model_loads_and_gives_the_study_s_eval_loss(learned, saved_model):
+    """--save-model keeps the trained model: loaded back, it scores the evaluation sequence as the study did."""
+    model = load_learned_model(saved_model)
+    assert model.config.to_dict() == learned["model_config"] and not model.training
+    seq = Y.generate(learned["n_eval"], learned["seed"])
+    data = LT._eval_site(seq, SiteConfig.from_dict(learned["site_config"]))
+    assert LT.next_token_loss(model, data, seq)["loss"] == pytest.approx(learned["loss_after"]["loss"], abs=1e-6)
+
+
+def test_load_learned_model_refuses_an_empty_or_corrupt_folder(learned, saved_model, tmp_path):
+    with pytest.raises(CheckpointError, match="holds no checkpoint"):
+        load_learned_model(tmp_path)
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(saved_model, corrupt)
+    step = latest_checkpoint(corrupt)
+    (step / STATE).write_bytes(b"not a state")
+    with pytest.raises(CheckpointError, match="no readable model config"):
+        load_learned_model(corrupt)
 
 
 def test_run_learned_tiny_has_the_expected_keys(learned):

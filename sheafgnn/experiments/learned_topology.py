@@ -66,12 +66,14 @@ plus ``kept_edges``, the gluing edges of the topology.
       scored against G*       designed site, untrained, learned, fixed_only, oracle; growth with n
     plot_learned(result, path), format_learned(result)
     sheafgnn simulate --learned [--out runs/simulate]   learned_topology.json, learned_topology.png
+                         [--save-model DIR]        and the trained model (learned_model.load_learned_model)
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -82,6 +84,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch_geometric.data import Batch, HeteroData
 
+from sheafgnn.experiments.learned_model import save_learned_model
 from sheafgnn.experiments.pool_scoring import LongRangeTargets, candidate_recall, long_range_targets, pool_auc
 from sheafgnn.experiments.report import fit_exponent, label_loglog, power_law_label, pyplot, save_figure, write_json
 from sheafgnn.experiments.synthetic import (
@@ -331,7 +334,8 @@ def run_learned(n_train: int = 1 << 20, n_eval: int = 32768, steps: int = 12000,
                 thresholds: tuple[float, ...] = WEIGHT_THRESHOLDS,
                 growth_ns: tuple[int, ...] = tuple(2**k for k in range(12, 17)),
                 max_seconds: float | None = None, config: GeneratorConfig | None = None,
-                site_config: SiteConfig | None = None, log_every: int = 50, verbose: bool = False) -> dict:
+                site_config: SiteConfig | None = None, log_every: int = 50, verbose: bool = False,
+                save_model: str | os.PathLike | None = None) -> dict:
     """Train a :class:`~sheafgnn.model.SheafStateLM` on synthetic sequences; score its learned topology.
 
     Before and after :func:`train_learned`, every block's kept edges and
@@ -361,6 +365,7 @@ def run_learned(n_train: int = 1 << 20, n_eval: int = 32768, steps: int = 12000,
         site_config (SiteConfig, optional): the site's rules (default: :func:`matched_site_config`).
         log_every (int): steps per training-loss record (default: :obj:`50`).
         verbose (bool): print progress.
+        save_model (path, optional): write the trained model there (:mod:`~sheafgnn.experiments.learned_model`).
     """
     if window < 16 or n_train < window + 1:
         raise ValueError(f"run_learned: need window >= 16 and n_train > window (got {window} and {n_train})")
@@ -380,6 +385,8 @@ def run_learned(n_train: int = 1 << 20, n_eval: int = 32768, steps: int = 12000,
     log(f"eval loss before: {loss_before['loss']:.4f}")
     train = train_learned(model, train_ids, site_config, steps=steps, window=window, batch=batch, lr=lr,
                           seed=seed, max_seconds=max_seconds, log_every=log_every, verbose=verbose)
+    if save_model is not None:
+        save_learned_model(model, save_model, train["steps"])
     loss_after = next_token_loss(model, data, seq)
     loss_random = random_score_loss(model, data, seq)
     log(f"eval loss after: {loss_after['loss']:.4f}, with random scores {loss_random['loss']:.4f}")
@@ -575,7 +582,7 @@ def main_learned(args: argparse.Namespace, out: Path) -> int:
     result = run_learned(n_train=args.n_train, n_eval=args.n, steps=args.steps, seed=args.seed, hops=args.hops,
                          window=args.train_window, lr=args.lr, topology_k=args.topology_k,
                          model_set=tuple(args.model_set),
-                         max_seconds=args.max_seconds, verbose=True)
+                         max_seconds=args.max_seconds, verbose=True, save_model=args.save_model)
     print(format_learned(result))
     write_json(out / "learned_topology.json", result)
     plot_learned(result, out / "learned_topology.png")

@@ -226,6 +226,9 @@ def parse_simulate_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--set", dest="model_set", action="append", default=[], metavar="KEY=VALUE",
                         help="--learned: a field of the model's SheafStateConfig, e.g. pool_loss_weight=0")
     parser.add_argument("--max-seconds", type=float, default=None, help="--learned: stop training after this long")
+    parser.add_argument("--save-model", metavar="DIR", default=None,
+                        help="--learned: keep the trained model in DIR (a checkpoint folder; "
+                             "sheafgnn.experiments.learned_model.load_learned_model reads it)")
     parser.add_argument("--threads", type=at_least(0), default=1,
                         help="--learned: torch threads (default: 1, the model is tiny; 0: torch's default)")
     return parser.parse_args(argv)
