@@ -118,6 +118,29 @@ def latest_checkpoint(ckpt_dir: str | os.PathLike) -> Path | None:
     return path
 
 
+def read_state(path: str | os.PathLike) -> dict:
+    """The state dict of the checkpoint at ``path`` (a step directory), read without unpickling code
+    (``weights_only``); what :func:`load_checkpoint` returns, for a caller that needs the config in it
+    to build the model first.
+
+    Raises:
+        CheckpointError: the state file is corrupt, unreadable or of an unknown layout.
+    """
+    path = Path(path)
+    state_file = path / STATE
+    try:
+        state = torch.load(state_file, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise CheckpointError(f"checkpoint {state_file} is corrupt or unreadable ({type(err).__name__}: "
+                              f"{err}); delete {path} and repoint {path.parent / LATEST} "
+                              "to an earlier step, or start a new out_dir") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {state_file} has an unknown layout "
+                              f"(format {state.get('format') if isinstance(state, dict) else None}, "
+                              f"expected {FORMAT})")
+    return state
+
+
 def load_checkpoint(path: str | os.PathLike, model: nn.Module, device: torch.device | str = "cpu",
                     check: Callable[[dict], None] | None = None) -> dict:
     """Load the weights at ``path`` (a step directory) into ``model``; return the state dict.
@@ -137,16 +160,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, device: torch.dev
     for f in (weights, state_file):
         if not f.is_file():
             raise CheckpointError(f"checkpoint {path} is incomplete: {f.name} is missing")
-    try:
-        state = torch.load(state_file, map_location="cpu", weights_only=True)
-    except Exception as err:
-        raise CheckpointError(f"checkpoint {state_file} is corrupt or unreadable ({type(err).__name__}: "
-                              f"{err}); delete {path} and repoint {path.parent / LATEST} "
-                              "to an earlier step, or start a new out_dir") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {state_file} has an unknown layout "
-                              f"(format {state.get('format') if isinstance(state, dict) else None}, "
-                              f"expected {FORMAT})")
+    state = read_state(path)
     if _sha256(weights) != state.get("weights_sha256"):
         raise CheckpointError(f"checkpoint {weights} is corrupt: its SHA-256 does not match the one recorded "
                               f"in {STATE} (truncated or overwritten?); delete {path} and repoint "

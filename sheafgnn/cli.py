@@ -149,7 +149,7 @@ def load_model(path: str | Path):
     if step is None:
         raise ValueError(f"{path} holds no checkpoint (expected OUT_DIR, OUT_DIR/checkpoints or a step folder)")
     try:
-        state = torch.load(step / ckpt.STATE, map_location="cpu", weights_only=True)
+        state = ckpt.read_state(step)
         config = TrainConfig.from_dict(state["config"])
     except Exception as err:
         raise ValueError(f"checkpoint {step} is unreadable ({type(err).__name__}: {err})") from None

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from sheafgnn.checkpoint import STATE, CheckpointError, latest_checkpoint
+from sheafgnn.checkpoint import STATE, CheckpointError, latest_checkpoint, read_state
 from sheafgnn.experiments import learned_topology as LT
 from sheafgnn.experiments import pool_scoring as P
 from sheafgnn.experiments import synthetic as Y
@@ -45,7 +45,12 @@ def test_load_learned_model_refuses_an_empty_or_corrupt_folder(learned, saved_mo
     corrupt = tmp_path / "corrupt"
     shutil.copytree(saved_model, corrupt)
     step = latest_checkpoint(corrupt)
+    state = read_state(step)
     (step / STATE).write_bytes(b"not a state")
+    with pytest.raises(CheckpointError, match="corrupt or unreadable"):
+        load_learned_model(corrupt)
+    del state["model_config"]  # a checkpoint of something else (a training run's has "config")
+    torch.save(state, step / STATE)
     with pytest.raises(CheckpointError, match="no readable model config"):
         load_learned_model(corrupt)
 

@@ -15,8 +15,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
-
 from sheafgnn import checkpoint as ckpt
 from sheafgnn.model import SheafStateConfig, SheafStateLM
 
@@ -37,8 +35,8 @@ def load_learned_model(ckpt_dir: str | os.PathLike) -> SheafStateLM:
     if step is None:
         raise ckpt.CheckpointError(f"{ckpt_dir} holds no checkpoint (write one with sheafgnn simulate --learned "
                                    "--save-model DIR)")
+    state = ckpt.read_state(step)
     try:
-        state = torch.load(step / ckpt.STATE, map_location="cpu", weights_only=True)
         config = SheafStateConfig.from_dict(state["model_config"])
     except Exception as err:
         raise ckpt.CheckpointError(f"checkpoint {step} holds no readable model config ({type(err).__name__}: "
