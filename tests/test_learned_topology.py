@@ -11,6 +11,8 @@ from sheafgnn.experiments import learned_topology as LT
 from sheafgnn.experiments import pool_scoring as P
 from sheafgnn.experiments import synthetic as Y
 from sheafgnn.experiments.learned_model import load_learned_model
+from sheafgnn.experiments.learned_report import format_learned, plot_learned
+from sheafgnn.experiments.learned_routes import next_token_loss
 from sheafgnn.model import SheafStateLM
 from sheafgnn.site import SiteConfig, build_site
 from sheafgnn.site.schema import CONTENT_EDGE, RANDOM_EDGE
@@ -36,7 +38,7 @@ def test_saved_model_loads_and_gives_the_study_s_eval_loss(learned, saved_model)
     assert model.config.to_dict() == learned["model_config"] and not model.training
     seq = Y.generate(learned["n_eval"], learned["seed"])
     data = LT._eval_site(seq, SiteConfig.from_dict(learned["site_config"]))
-    assert LT.next_token_loss(model, data, seq)["loss"] == pytest.approx(learned["loss_after"]["loss"], abs=1e-6)
+    assert next_token_loss(model, data, seq)["loss"] == pytest.approx(learned["loss_after"]["loss"], abs=1e-6)
 
 
 def test_load_learned_model_refuses_an_empty_or_corrupt_folder(learned, saved_model, tmp_path):
@@ -57,8 +59,8 @@ def test_load_learned_model_refuses_an_empty_or_corrupt_folder(learned, saved_mo
 
 def test_run_learned_tiny_has_the_expected_keys(learned):
     for key in ("auc_per_destination", "candidate_recall", "coverage", "waste", "learned", "random_score_loss_delta",
-                "loss_random_scores", "waste_floor", "waste_of_selection", "train", "loss_before", "loss_after",
-                "designed", "untrained", "references", "growth", "model_config", "targets"):
+                "loss_random_scores", "routes", "waste_floor", "waste_of_selection", "train", "loss_before",
+                "loss_after", "designed", "untrained", "references", "growth", "model_config", "targets"):
         assert key in learned
     assert learned["model_config"]["topology_k"] == 2
     assert learned["train"]["steps"] == 3 and len(learned["train"]["curve"]) == 3
@@ -79,7 +81,7 @@ def test_run_learned_tiny_has_the_expected_keys(learned):
     assert learned["references"]["fixed_only"]["kept_edges"] == 0
     assert learned["growth"]["ns"] == [256, 512] and len(learned["growth"]["kept"]["edges"]) == 2
     assert all(c > 0 for c in learned["growth"]["pools"]["candidates"])
-    assert "designed site" in LT.format_learned(learned)
+    assert "designed site" in format_learned(learned)
 
 
 def test_auc_and_candidate_recall_of_a_tiny_run(learned):
@@ -196,22 +198,9 @@ def test_threshold_and_union_of_blocks():
                 assert lookup[pair] >= weight - 1e-6  # the union keeps the largest weight
 
 
-def test_random_score_loss_restores_the_scorer():
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = SheafStateLM(LT.learned_model_config(d_model=16, n_layers=2))
-    seq = Y.generate(300, seed=3)
-    data = build_site(seq.ids, Y.matched_site_config())
-    trained = LT.next_token_loss(model, data, seq)
-    random = LT.random_score_loss(model, data, seq)
-    assert np.isfinite(random["loss"]) and random["loss"] != trained["loss"]
-    assert not any(block.topology.random_scores for block in model.blocks)
-    assert LT.next_token_loss(model, data, seq)["loss"] == trained["loss"]
-
-
 def test_learned_plot(learned, tmp_path):
     path = tmp_path / "learned.png"
-    LT.plot_learned(learned, path)
+    plot_learned(learned, path)
     assert path.stat().st_size > 1000
 
 

@@ -42,6 +42,9 @@ plus ``kept_edges``, the gluing edges of the topology.
     random_score_loss_delta  eval next-token loss with every block's scores replaced by seeded noise (content
                              blocks, top-k and weights alike) minus the trained loss, in nats: positive = the
                              model uses its scorer; loss_random_scores holds that loss by target kind
+    routes                   eval loss with one route cut at a time: a chain (Phi's state across each section's key),
+                             all gluing, or one glue type's kept edges (learned_routes.route_losses): which route
+                             the long-range targets need, whether or not coverage counts it
     waste_floor              the least waste of any selection at the target coverage, given the fixed edges
                              (waste_floor of the fixed_only reference)
     waste_of_selection       1 - (dependencies realised only through kept gluing edges) / (relations those
@@ -53,7 +56,7 @@ plus ``kept_edges``, the gluing edges of the topology.
     growth                   edges against n: designed, the kept topology and the pools' candidates, with
                              fitted exponents *_slope
     train, deps, targets, seconds, and the settings (n_train, n_eval, seed, hops, window, batch, lr,
-    generator, site_config, model_config, parameters)
+    cut_chains_at_keys, generator, site_config, model_config, parameters)
 
 ::
 
@@ -62,31 +65,39 @@ plus ``kept_edges``, the gluing edges of the topology.
       block_topologies        every block's kept edges and pools (SheafStateLM.topology, candidates=True)
       union_of_blocks         the kept topology; threshold_topology per weight threshold
       pool_scoring            auc_per_destination, candidate_recall
-      random_score_loss       the random-score ablation
+      random_score_loss       the random-score ablation (learned_routes)
+      route_losses            the route cuts (learned_routes)
       scored against G*       designed site, untrained, learned, fixed_only, oracle; growth with n
-    plot_learned(result, path), format_learned(result)
-    sheafgnn simulate --learned [--out runs/simulate]   learned_topology.json, learned_topology.png
+    plot_learned(result, path), format_learned(result)   the report (learned_report)
+    sheafgnn simulate --learned [--out runs/simulate]   learned_topology.json, learned_topology.png,
+                                                        learned_routes.png
                          [--save-model DIR]        and the trained model (learned_model.load_learned_model)
+                         [--cut-chains]            chains restarted after each section key (run_learned)
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import time
 from dataclasses import asdict
-from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch_geometric.data import Batch, HeteroData
 
 from sheafgnn.experiments.learned_model import save_learned_model
+from sheafgnn.experiments.learned_routes import (
+    cut_chains,
+    cut_routes,
+    next_token_loss,
+    random_score_loss,
+    route_losses,
+    section_cuts,
+)
 from sheafgnn.experiments.pool_scoring import LongRangeTargets, candidate_recall, long_range_targets, pool_auc
-from sheafgnn.experiments.report import fit_exponent, label_loglog, power_law_label, pyplot, save_figure, write_json
+from sheafgnn.experiments.report import fit_exponent
 from sheafgnn.experiments.synthetic import (
     PAPER,
     GeneratorConfig,
@@ -101,13 +112,13 @@ from sheafgnn.model import SheafStateConfig, SheafStateLM
 from sheafgnn.optim import cosine_lr
 from sheafgnn.relations import topology_graph
 from sheafgnn.site import CANDIDATE_EDGES, SiteConfig, build_site
+from sheafgnn.site.flat import flatten_site
 from sheafgnn.site.schema import CONTENT_EDGE, RANDOM_EDGE, EdgeType
 from sheafgnn.train import train_step
 
 Topology = dict[EdgeType, dict[str, Tensor]]
 
 WEIGHT_THRESHOLDS = (0.1, 0.25, 0.5)  # softmax-weight thresholds reported besides the kept topology
-LONG_RANGE_KINDS = (Kind.ANCHORED, Kind.VALUE_COPY)  # target kinds whose G* has a long-range source
 # What a learned topology aims at: nearly all of G* at no more waste than the paper's sheaf site, and
 # a scorer that ranks the candidates realising a long-range dependency first.
 TARGETS = {"coverage": 0.99, "waste": PAPER["sheaf"]["waste"], "auc_per_destination": 0.9}
@@ -203,37 +214,6 @@ def _eval_site(seq: SyntheticSequence, site_config: SiteConfig) -> HeteroData:
     return data
 
 
-@torch.no_grad()
-def next_token_loss(model, data: HeteroData, seq: SyntheticSequence) -> dict:
-    """Next-token cross-entropy (nats) of ``model`` on ``data`` (eval mode), overall and by target kind."""
-    was_training = model.training
-    model.eval()
-    logits = model(data)  # (n, V)
-    model.train(was_training)
-    ce = F.cross_entropy(logits[:-1].float(), seq.ids[1:], reduction="none")  # (n - 1,)
-    target_kind = seq.kind[1:].long()
-    by_kind = {}
-    for k, name in enumerate(Kind.NAMES):
-        mask = target_kind == k
-        if mask.any():
-            by_kind[name] = float(ce[mask].mean())
-    long_range = torch.isin(target_kind, torch.tensor(LONG_RANGE_KINDS))
-    return {"loss": float(ce.mean()), "by_target_kind": by_kind,
-            "long_range": float(ce[long_range].mean()) if long_range.any() else None}
-
-
-def random_score_loss(model: SheafStateLM, data: HeteroData, seq: SyntheticSequence) -> dict:
-    """:func:`next_token_loss` with every block's topology scores replaced by seeded noise (the
-    random-score ablation, ``LearnedTopology.random_scores``); the model is left as it was."""
-    for block in model.blocks:
-        block.topology.random_scores = True
-    try:
-        return next_token_loss(model, data, seq)
-    finally:
-        for block in model.blocks:
-            block.topology.random_scores = False
-
-
 def waste_floor(fixed: dict, deps: int, coverage: float) -> float:
     """The least waste of any topology that contains ``fixed``'s relations and reaches ``coverage``.
 
@@ -282,11 +262,14 @@ def learned_model_config(d_model: int = 32, n_layers: int = 2, topology_k: int =
 
 def train_learned(model: SheafStateLM, sequences: Tensor | list[Tensor], site_config: SiteConfig, steps: int,
                   window: int = 1024, batch: int = 1, lr: float = 3e-3, seed: int = 0,
-                  max_seconds: float | None = None, log_every: int = 50, verbose: bool = False) -> dict:
+                  max_seconds: float | None = None, log_every: int = 50, verbose: bool = False,
+                  cuts: list[Tensor] | None = None) -> dict:
     """Next-token training of ``model`` on random windows of ``sequences`` with AdamW (the run_learned loop).
 
     Each window is drawn from a random sequence (1-D token ids, at least
-    ``window + 1`` tokens each) at a random offset.
+    ``window + 1`` tokens each) at a random offset. With ``cuts`` (per
+    sequence, token positions; batch 1) every chain of the model restarts at
+    them (:func:`~sheafgnn.experiments.learned_routes.cut_chains`).
 
     AdamW with weight decay 0.01 on every parameter; 5% linear warm-up, cosine
     decay to lr / 10 (:func:`~sheafgnn.train.cosine_lr`), gradient clipping at
@@ -297,6 +280,9 @@ def train_learned(model: SheafStateLM, sequences: Tensor | list[Tensor], site_co
         (mean training loss, auxiliary losses included, per ``log_every`` steps).
     """
     sequences = [sequences] if isinstance(sequences, Tensor) else list(sequences)
+    if cuts is not None and (batch != 1 or len(cuts) != len(sequences)):
+        raise ValueError(f"train_learned: cuts need batch 1 and one tensor per sequence (got batch {batch}, "
+                         f"{len(cuts)} for {len(sequences)} sequences)")
     lengths = [ids.numel() for ids in sequences]
     if not sequences or min(lengths) < window + 1:
         raise ValueError(f"train_learned: every sequence needs more than window = {window} tokens "
@@ -311,9 +297,14 @@ def train_learned(model: SheafStateLM, sequences: Tensor | list[Tensor], site_co
         picks = torch.randint(0, len(sequences), (batch,), generator=rng).tolist()
         offsets = [int(torch.randint(0, lengths[i] - window, (1,), generator=rng)) for i in picks]
         sites = [_window_site(sequences[i], o, window, site_config) for i, o in zip(picks, offsets)]
-        result = train_step(model, sites[0] if batch == 1 else Batch.from_data_list(sites), optimizer,
-                            lr=cosine_lr(step, peak_lr=lr, total_steps=steps, warmup_steps=warmup, min_lr_ratio=0.1),
-                            grad_clip=1.0)
+        cut_site = None
+        if cuts is not None:
+            in_window = cuts[picks[0]] - offsets[0]
+            cut_site = cut_chains(flatten_site(sites[0]), sites[0], in_window[(in_window > 0) & (in_window < window)])
+        with cut_routes(model, cut_site):
+            result = train_step(model, sites[0] if batch == 1 else Batch.from_data_list(sites), optimizer,
+                                lr=cosine_lr(step, peak_lr=lr, total_steps=steps, warmup_steps=warmup,
+                                             min_lr_ratio=0.1), grad_clip=1.0)
         running.append(result.loss)
         done = step + 1
         if done % log_every == 0 or done == steps:
@@ -335,7 +326,7 @@ def run_learned(n_train: int = 1 << 20, n_eval: int = 32768, steps: int = 12000,
                 growth_ns: tuple[int, ...] = tuple(2**k for k in range(12, 17)),
                 max_seconds: float | None = None, config: GeneratorConfig | None = None,
                 site_config: SiteConfig | None = None, log_every: int = 50, verbose: bool = False,
-                save_model: str | os.PathLike | None = None) -> dict:
+                save_model: str | os.PathLike | None = None, cut_chains_at_keys: bool = False) -> dict:
     """Train a :class:`~sheafgnn.model.SheafStateLM` on synthetic sequences; score its learned topology.
 
     Before and after :func:`train_learned`, every block's kept edges and
@@ -366,6 +357,10 @@ def run_learned(n_train: int = 1 << 20, n_eval: int = 32768, steps: int = 12000,
         log_every (int): steps per training-loss record (default: :obj:`50`).
         verbose (bool): print progress.
         save_model (path, optional): write the trained model there (:mod:`~sheafgnn.experiments.learned_model`).
+        cut_chains_at_keys (bool): train and evaluate with every chain restarted right after each section's key
+            (:func:`~sheafgnn.experiments.learned_routes.section_cuts`), so that the key reaches its section
+            only through the gluing: does the selection then learn to route it? (batch 1; ``growth`` is
+            counted without cuts.)
     """
     if window < 16 or n_train < window + 1:
         raise ValueError(f"run_learned: need window >= 16 and n_train > window (got {window} and {n_train})")
@@ -374,36 +369,45 @@ def run_learned(n_train: int = 1 << 20, n_eval: int = 32768, steps: int = 12000,
     torch.manual_seed(seed)
     model_config = learned_model_config(d_model, n_layers, topology_k, site_config, model_set)
     model = SheafStateLM(model_config)
-    train_ids = [generate(window + 1, 1_000_003 * (seed + 1) + i, config).ids
-                 for i in range(max(1, n_train // (window + 1)))]
+    train_seqs = [generate(window + 1, 1_000_003 * (seed + 1) + i, config)
+                  for i in range(max(1, n_train // (window + 1)))]
     seq = generate(n_eval, seed, config)
     data = _eval_site(seq, site_config)
     targets = long_range_targets(data, seq, hops)
     log = lambda msg: print(msg, flush=True) if verbose else None
-    loss_before = next_token_loss(model, data, seq)
-    untrained = _score_model(model, data, seq, targets, hops, thresholds=())
-    log(f"eval loss before: {loss_before['loss']:.4f}")
-    train = train_learned(model, train_ids, site_config, steps=steps, window=window, batch=batch, lr=lr,
-                          seed=seed, max_seconds=max_seconds, log_every=log_every, verbose=verbose)
-    if save_model is not None:
-        save_learned_model(model, save_model, train["steps"])
-    loss_after = next_token_loss(model, data, seq)
-    loss_random = random_score_loss(model, data, seq)
-    log(f"eval loss after: {loss_after['loss']:.4f}, with random scores {loss_random['loss']:.4f}")
-    learned = _score_model(model, data, seq, targets, hops, thresholds, recall=True)
+    cuts, eval_site = None, None
+    if cut_chains_at_keys:
+        cuts = [section_cuts(s) for s in train_seqs]
+        eval_site = cut_chains(flatten_site(data), data, section_cuts(seq))
+    with cut_routes(model, eval_site):  # without cuts: no hook
+        loss_before = next_token_loss(model, data, seq)
+        untrained = _score_model(model, data, seq, targets, hops, thresholds=())
+        log(f"eval loss before: {loss_before['loss']:.4f}")
+        train = train_learned(model, [s.ids for s in train_seqs], site_config, steps=steps, window=window,
+                              batch=batch, lr=lr, seed=seed, max_seconds=max_seconds, log_every=log_every,
+                              verbose=verbose, cuts=cuts)
+        if save_model is not None:
+            save_learned_model(model, save_model, train["steps"])
+        loss_after = next_token_loss(model, data, seq)
+        loss_random = random_score_loss(model, data, seq)
+        log(f"eval loss after: {loss_after['loss']:.4f}, with random scores {loss_random['loss']:.4f}")
+        routes = route_losses(model, data, seq, site=eval_site)
+        learned = _score_model(model, data, seq, targets, hops, thresholds, recall=True)
     references = _references(seq, data, hops)
     growth = _growth(model, growth_ns, seed, config, site_config, hops, log)
     kept, fixed = learned["rows"]["kept"], references["fixed_only"]
     return {"auc_per_destination": learned["auc"], "candidate_recall": learned["recall"],
             "coverage": kept["coverage"], "waste": kept["waste"], "learned": learned["rows"],
             "random_score_loss_delta": loss_random["loss"] - loss_after["loss"], "loss_random_scores": loss_random,
+            "routes": routes,
             "waste_floor": waste_floor(fixed, int(seq.src.numel()), TARGETS["coverage"]),
             "waste_of_selection": waste_of_selection(kept, fixed),
             "loss_before": loss_before, "loss_after": loss_after, "designed": references.pop("designed"),
             "untrained": {"kept": untrained["rows"]["kept"], "auc_per_destination": untrained["auc"]},
             "references": references, "growth": growth, "train": train, "deps": seq.dep_counts(),
             "targets": dict(TARGETS), "n_train": n_train, "n_eval": n_eval, "seed": seed, "hops": hops,
-            "window": window, "batch": batch, "lr": lr, "generator": asdict(seq.config),
+            "window": window, "batch": batch, "lr": lr, "cut_chains_at_keys": cut_chains_at_keys,
+            "generator": asdict(seq.config),
             "site_config": site_config.to_dict(), "model_config": model_config.to_dict(),
             "parameters": sum(p.numel() for p in model.parameters()), "seconds": time.perf_counter() - start_all}
 
@@ -474,117 +478,3 @@ def _growth(model: SheafStateLM, ns: tuple[int, ...], seed: int, config: Generat
             if key in growth[name]:
                 growth[name][f"{key}_slope"] = fit_exponent(growth["ns"], growth[name][key])
     return growth
-
-
-def plot_learned(result: dict, path) -> None:
-    """Three panels, PNG: the per-destination AUCs by block (trained and untrained); coverage and
-    waste of each topology (designed, untrained, learned, weight thresholds, references, targets and
-    the waste floor marked); edges against n (log-log)."""
-    plt = pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8), dpi=110)
-    ax = axes[0]
-    for name, auc, style in (("trained", result["auc_per_destination"], "-"),
-                             ("untrained", result["untrained"]["auc_per_destination"], ":")):
-        for b, row in enumerate(auc["per_block"]):
-            hist = np.asarray(row["hist"], dtype=float)
-            edges = np.linspace(0.0, 1.0, hist.size + 1)
-            mean = "-" if row["mean"] is None else f"{row['mean']:.3f}"
-            ax.step((edges[1:] + edges[:-1]) / 2, hist / max(hist.sum(), 1), where="mid", ls=style,
-                    color=plt.get_cmap("tab10")(b), label=f"{name}, block {b}: mean {mean}")
-    ax.axvline(result["targets"]["auc_per_destination"], color="grey", ls="--", lw=1, label="target")
-    ax.set_xlabel("AUC of one destination's candidate scores")
-    ax.set_ylabel("share of destinations")
-    ax.set_title(f"AUC per destination ({result['auc_per_destination']['destinations']:,} block-destinations)")
-    ax.legend(fontsize=6)
-
-    ax = axes[1]
-    rows = [("designed site", result["designed"]), ("untrained", result["untrained"]["kept"])]
-    rows += [(f"learned {k}", v) for k, v in result["learned"].items()]
-    rows += [(f"ref: {k}", v) for k, v in result["references"].items()]
-    y = np.arange(len(rows))
-    ax.barh(y - 0.2, [row["coverage"] for _, row in rows], 0.4, color="tab:blue", label="coverage")
-    ax.barh(y + 0.2, [row["waste"] for _, row in rows], 0.4, color="tab:red", label="waste")
-    targets = result["targets"]
-    ax.axvline(targets["coverage"], color="tab:blue", ls="--", lw=1, label=f"target coverage {targets['coverage']:g}")
-    ax.axvline(targets["waste"], color="tab:red", ls="--", lw=1, label=f"target waste {targets['waste']:g}")
-    ax.axvline(result["waste_floor"], color="grey", ls="-.", lw=1, label=f"waste floor {result['waste_floor']:.3f}")
-    ax.set_yticks(y, [name for name, _ in rows], fontsize=7)
-    ax.invert_yaxis()
-    ax.set_xlim(0, 1.45)  # room for the legend on the right
-    ax.set_xticks(np.linspace(0, 1, 6))
-    ax.set_title(f"topologies against G* (H = {result['hops']}, n = {result['n_eval']:,})")
-    ax.legend(fontsize=6, loc="center right")
-
-    ax = axes[2]
-    growth = result["growth"]
-    series = [("designed edges", growth["designed"], "edges"), ("kept topology edges", growth["kept"], "edges"),
-              ("kept gluing edges", growth["kept"], "kept_edges"), ("pool candidates", growth["pools"], "candidates")]
-    for i, (label, part, key) in enumerate(series):
-        ax.loglog(growth["ns"], [max(v, 1) for v in part[key]], "-o", ms=3, color=plt.get_cmap("tab10")(i),
-                  label=power_law_label(label, part.get(f"{key}_slope")))
-    label_loglog(ax, "sequence length n", "edges", "learned topology: edges against n", 6)
-    save_figure(fig, path)
-
-
-def format_learned(result: dict) -> str:
-    """The learned topology beside the designed site, as text."""
-    before, after, random = result["loss_before"], result["loss_after"], result["loss_random_scores"]
-    train, auc, recall = result["train"], result["auc_per_destination"], result["candidate_recall"]
-    pct = lambda v: "-" if v is None else f"{100 * v:.1f}%"
-    pct2 = lambda v: "-" if v is None else f"{100 * v:.2f}%"
-    num = lambda v: "-" if v is None else f"{v:.3f}"
-    blocks = ", ".join(f"block {b} {num(row['mean'])} (anchor {num(row['by_type']['anchor'])}, entity "
-                       f"{num(row['by_type']['entity'])}, {row['destinations']:,} of {row['eligible']:,}; among "
-                       f"tokens only {num(row['by_source']['token']['mean'])} "
-                       f"({row['by_source']['token']['destinations']:,}), among patches only "
-                       f"{num(row['by_source']['patch']['mean'])} ({row['by_source']['patch']['destinations']:,}); "
-                       f"source token in the pool {pct(row['source_in_pool'])})"
-                       for b, row in enumerate(auc["per_block"]))
-    lines = [f"learned topology: n_eval = {result['n_eval']:,}, G* = {result['deps']['total']:,}, "
-             f"H = {result['hops']}, {result['parameters']:,} parameters, k = {result['model_config']['topology_k']}, "
-             f"{train['steps']} steps x {result['batch']} x {result['window']} tokens ({train['seconds']:.0f} s)",
-             f"eval next-token loss (nats): {before['loss']:.3f} before -> {after['loss']:.3f} after; long-range "
-             f"targets {num(before['long_range'])} -> {num(after['long_range'])}; with random scores "
-             f"{random['loss']:.3f} (delta {result['random_score_loss_delta']:+.3f}, "
-             f"long-range {num(random['long_range'])})",
-             f"AUC per destination: {num(auc['mean'])} over {auc['destinations']:,} block-destinations "
-             f"(untrained {num(result['untrained']['auc_per_destination']['mean'])}); {blocks}",
-             f"candidate recall (every candidate kept): {pct(recall['recall'])} of {recall['dependencies']:,} "
-             f"long-range dependencies (anchor {pct(recall['by_type']['anchor'])}, "
-             f"entity {pct(recall['by_type']['entity'])}; "
-             f"per block {', '.join(pct(r) for r in recall['per_block'])}; content and random proposals alone "
-             f"{pct(recall['proposals_only'])}; {recall['candidates']:,} candidates)",
-             f"{'topology':<22}{'coverage':>10}{'waste':>10}{'relations':>12}{'edges':>11}{'kept glue':>11}"
-             f"{'anchor cov.':>13}{'entity cov.':>13}"]
-    rows = [("designed site", result["designed"]), ("untrained kept", result["untrained"]["kept"])]
-    rows += [(f"learned {k}", v) for k, v in result["learned"].items()]
-    rows += [(f"ref: {k}", v) for k, v in result["references"].items()]
-    for name, row in rows:
-        by = row["coverage_by_type"]
-        lines.append(f"{name:<22}{100 * row['coverage']:>9.2f}%{100 * row['waste']:>9.2f}%{row['relations']:>12,}"
-                     f"{row['edges']:>11,}{row['kept_edges']:>11,}{pct(by['anchor']):>13}{pct(by['entity']):>13}")
-    lines.append(f"least waste of any selection at {100 * result['targets']['coverage']:.0f}% coverage: "
-                 f"{100 * result['waste_floor']:.2f}% (the fixed edges and stream stay); the selection's own "
-                 f"waste (beyond the fixed edges): {pct2(result['waste_of_selection'])}")
-    growth = result["growth"]
-    slopes = [(name, part, key) for name, part in (("designed", growth["designed"]), ("kept", growth["kept"]),
-                                                   ("pools", growth["pools"]))
-              for key in ("edges", "kept_edges", "candidates") if f"{key}_slope" in part]
-    lines.append(f"~ n^a over n = {growth['ns'][0]:,} .. {growth['ns'][-1]:,}: "
-                 + ", ".join(f"{name} {key} {num(part[f'{key}_slope'])}" for name, part, key in slopes))
-    return "\n".join(lines)
-
-
-def main_learned(args: argparse.Namespace, out: Path) -> int:
-    """``sheafgnn simulate --learned``: :func:`run_learned`, printed, JSON + PNG in ``out``."""
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    result = run_learned(n_train=args.n_train, n_eval=args.n, steps=args.steps, seed=args.seed, hops=args.hops,
-                         window=args.train_window, lr=args.lr, topology_k=args.topology_k,
-                         model_set=tuple(args.model_set),
-                         max_seconds=args.max_seconds, verbose=True, save_model=args.save_model)
-    print(format_learned(result))
-    write_json(out / "learned_topology.json", result)
-    plot_learned(result, out / "learned_topology.png")
-    print(f"\nwrote {out / 'learned_topology.json'}, {out / 'learned_topology.png'} ({result['seconds']:.0f} s)")
-    return 0

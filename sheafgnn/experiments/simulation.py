@@ -42,7 +42,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from sheafgnn.config import ArgumentParser, at_least
-from sheafgnn.experiments.learned_topology import main_learned, run_learned
+from sheafgnn.experiments.learned_report import main_learned
+from sheafgnn.experiments.learned_topology import run_learned
 from sheafgnn.experiments.report import fit_exponent, label_loglog, power_law_label, pyplot, save_figure, write_json
 from sheafgnn.experiments.synthetic import (
     PAPER,
@@ -229,6 +230,9 @@ def parse_simulate_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--save-model", metavar="DIR", default=None,
                         help="--learned: keep the trained model in DIR (a checkpoint folder; "
                              "sheafgnn.experiments.learned_model.load_learned_model reads it)")
+    parser.add_argument("--cut-chains", action="store_true",
+                        help="--learned: train and evaluate with every chain restarted after each section key, "
+                             "so that only the gluing can carry the key (learned_routes.cut_chains)")
     parser.add_argument("--threads", type=at_least(0), default=1,
                         help="--learned: torch threads (default: 1, the model is tiny; 0: torch's default)")
     return parser.parse_args(argv)

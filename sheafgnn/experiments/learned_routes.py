@@ -1,0 +1,241 @@
+r"""Which route of a trained model carries a dependency: its evaluation loss with one route cut at a time.
+
+A :class:`~sheafgnn.model.SheafStateLM` can carry a token's information
+forward along two kinds of route: the **chains** (Phi, the selective SSM that
+runs along the token stream and along each chained patch type, carrying a
+state from one node to the next) and the **gluing** (the edges the learned
+topology keeps, each of a glue type). The learned-topology study's
+coverage counts only the second; a model may learn by the first. This
+module measures which one a dependency takes, on the synthetic language's
+evaluation sequence (:mod:`sheafgnn.experiments.synthetic`), by cutting one
+route at evaluation and reading the next-token loss by target kind:
+
+- ``token chain``: the token SSM restarts at the token after each section's
+  key (:func:`section_cuts`), so its state never holds a key across the cut;
+- ``patch chains``: every patch chain restarts at its first patch after the
+  cut whose predecessor started before it (a patch that covers the key still
+  pools it; its successors do not inherit it);
+- ``chains``: both;
+- ``cover``: no patch pools its tokens (the cover edges, which the study
+  counts as fixed, cut);
+- ``gluing``: every kept edge carries no message (weight 0);
+- ``src rel dst``: the kept edges of that glue type carry no message.
+
+A route is *needed* by a target kind when cutting it raises that kind's loss;
+the anchored letters' floor is 1.39 nats (knowing the key) and their uniform
+loss 2.77. The cuts are forward hooks: the model's weights and code are
+untouched, and the hooks are gone when a route is measured.
+
+::
+
+    next_token_loss(model, data, seq)          eval loss: overall, by target kind, long-range targets
+    random_score_loss(model, data, seq)        the same with every block's scores seeded noise
+    section_cuts(seq) -> (S,)                  the position after each section key
+    cut_chains(site, data, cuts) -> FlatSite   the flat site with its chains restarted at the cuts
+    cut_routes(model, site, dropped)           context: blocks run on ``site``, glue types ``dropped`` carry nothing
+    route_losses(model, data, seq) -> dict     every route cut in turn (learned_topology.json "routes")
+    format_routes(routes), plot_routes(routes, path)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch_geometric.data import HeteroData
+
+from sheafgnn.experiments.report import pyplot, save_figure
+from sheafgnn.experiments.synthetic import Kind, SyntheticSequence
+from sheafgnn.model import SheafStateLM
+from sheafgnn.site.flat import FlatSite, flatten_site
+from sheafgnn.site.schema import CANDIDATE_EDGES, CHAINED_TYPES, CONTENT_EDGE, GLUE_EDGES, RANDOM_EDGE
+
+LONG_RANGE_KINDS = (Kind.ANCHORED, Kind.VALUE_COPY)  # target kinds whose G* has a long-range source
+CHAIN_ROUTES = {"token chain": (True, False), "patch chains": (False, True), "chains": (True, True)}
+ANCHORED_FLOOR, ANCHORED_UNIFORM = 1.386, 2.773  # ln 4 (the key known: 4 letters left) and ln 16, in nats
+
+
+@torch.no_grad()
+def next_token_loss(model, data: HeteroData, seq: SyntheticSequence) -> dict:
+    """Next-token cross-entropy (nats) of ``model`` on ``data`` (eval mode), overall and by target kind."""
+    was_training = model.training
+    model.eval()
+    logits = model(data)  # (n, V)
+    model.train(was_training)
+    ce = F.cross_entropy(logits[:-1].float(), seq.ids[1:], reduction="none")  # (n - 1,)
+    target_kind = seq.kind[1:].long()
+    by_kind = {}
+    for k, name in enumerate(Kind.NAMES):
+        mask = target_kind == k
+        if mask.any():
+            by_kind[name] = float(ce[mask].mean())
+    long_range = torch.isin(target_kind, torch.tensor(LONG_RANGE_KINDS))
+    return {"loss": float(ce.mean()), "by_target_kind": by_kind,
+            "long_range": float(ce[long_range].mean()) if long_range.any() else None}
+
+
+def random_score_loss(model: SheafStateLM, data: HeteroData, seq: SyntheticSequence) -> dict:
+    """:func:`next_token_loss` with every block's topology scores replaced by seeded noise (the
+    random-score ablation, ``LearnedTopology.random_scores``); the model is left as it was."""
+    for block in model.blocks:
+        block.topology.random_scores = True
+    try:
+        return next_token_loss(model, data, seq)
+    finally:
+        for block in model.blocks:
+            block.topology.random_scores = False
+
+
+def section_cuts(seq: SyntheticSequence) -> Tensor:
+    """(S,) sorted: the position right after each section's key (a cut chain restarts there)."""
+    keys = torch.unique(seq.key_pos[seq.key_pos >= 0])
+    return keys[keys + 1 < seq.ids.numel()] + 1
+
+
+def _crosses(start: Tensor, cuts: Tensor) -> Tensor:
+    """(n,) True where a chain of nodes starting at ``start`` (n,), in chain order, steps over a cut c:
+    its predecessor starts before c and it does not. Restarting there, no state reaches a node that
+    starts at or after c from one that started before it (by induction along the chain)."""
+    out = torch.zeros(start.numel(), dtype=torch.bool, device=start.device)
+    if start.numel() > 1:
+        before = torch.searchsorted(cuts, start[:-1], right=True)  # cuts <= the predecessor's start
+        upto = torch.searchsorted(cuts, start[1:], right=True)  # cuts <= the node's start
+        out[1:] = upto > before
+    return out
+
+
+def cut_chains(site: FlatSite, data: HeteroData, cuts: Tensor, token: bool = True, patches: bool = True) -> FlatSite:
+    """``site`` (``flatten_site(data)``) with its chains restarted at the token positions ``cuts``.
+
+    Args:
+        site (FlatSite): the flat site of ``data``, one graph.
+        data (HeteroData): the site (its patches' ``span`` give where they start).
+        cuts (Tensor): (S,) token positions; no chain state crosses from before one to after it.
+        token, patches (bool): cut the token chain, the patch chains.
+    """
+    if not bool((site.token_pos == torch.arange(site.token_pos.numel(), device=site.token_pos.device)).all()):
+        raise ValueError("cut_chains: expected the site of one text, not a batch")
+    cuts = torch.sort(cuts.to(site.token_pos.device)).values
+    token_reset, chain_reset = site.token_reset, site.chain_reset
+    if token:
+        token_reset = token_reset | _crosses(site.token_pos, cuts)
+    if patches:
+        # chain_reset lists the chained types' nodes in CHAINED_TYPES order, each type one chain per graph
+        chain_reset = chain_reset | torch.cat([_crosses(data[t].span[:, 0].contiguous(), cuts) for t in CHAINED_TYPES])
+    return dataclasses.replace(site, token_reset=token_reset, chain_reset=chain_reset)
+
+
+@contextmanager
+def cut_routes(model: SheafStateLM, site: FlatSite | None = None, dropped: Sequence[int] = (),
+               cover: bool = True) -> Iterator[None]:
+    """Within the context, every block of ``model`` runs on ``site`` (a flat site of the data the model is
+    given, e.g. from :func:`cut_chains`), the kept edges of the glue types ``dropped`` (indices into
+    :data:`~sheafgnn.site.schema.GLUE_EDGES`) carry no message and, with ``cover=False``, no patch pools
+    its tokens (every cover edge cut). Forward hooks, removed on exit; contexts nest (the innermost site
+    wins)."""
+    handles = []
+    drop = torch.tensor(list(dropped), dtype=torch.long)
+
+    def use_site(block, args):
+        return (args[0], site, *args[2:])
+
+    def zero_dropped(topology, args, chosen):
+        keep = ~torch.isin(chosen.edge_type, drop.to(chosen.edge_type.device))
+        return dataclasses.replace(chosen, weight=chosen.weight * keep)
+
+    try:
+        for block in model.blocks:
+            if site is not None:
+                handles.append(block.register_forward_pre_hook(use_site))
+            if drop.numel():
+                handles.append(block.topology.register_forward_hook(zero_dropped))
+            if not cover:
+                handles.append(block.pool.register_forward_hook(lambda pool, args, out: torch.zeros_like(out)))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def glue_types_in_use(model: SheafStateLM, data: HeteroData) -> list[int]:
+    """Indices of the glue types with candidates on ``data``: the site's rule types that have edges, and the
+    content and random proposals where the model makes them."""
+    c = model.config
+    used = [i for i, t in enumerate(CANDIDATE_EDGES) if t in data.edge_types and data[t].edge_index.size(1) > 0]
+    used += [GLUE_EDGES.index(CONTENT_EDGE)] if c.content_blocks > 0 else []
+    used += [GLUE_EDGES.index(RANDOM_EDGE)] if c.random_proposals > 0 else []
+    return used
+
+
+def route_losses(model: SheafStateLM, data: HeteroData, seq: SyntheticSequence, site: FlatSite | None = None) -> dict:
+    """:func:`next_token_loss` of ``model`` with each route cut in turn (module docstring).
+
+    Args:
+        site (FlatSite, optional): the flat site of ``data`` that the model runs on when nothing is cut, and
+            that every cut starts from (default: ``flatten_site(data)``; a model trained with its chains cut
+            is measured from its own cut site).
+
+    Returns:
+        ``{"cuts": S, "routes": {name: next_token_loss row}}``; names ``"none"`` (nothing cut),
+        ``"token chain"``, ``"patch chains"``, ``"chains"``, ``"cover"``, ``"gluing"``, then ``"src rel dst"``
+        for every glue type in use (:func:`glue_types_in_use`).
+    """
+    if not model.config.gluing:
+        raise ValueError("route_losses: this model has gluing switched off (the ssm ablation)")
+    cuts = section_cuts(seq)
+    site = site if site is not None else flatten_site(data)
+    used = glue_types_in_use(model, data)
+    runs = {"none": {"site": site}}  # cut_routes' arguments of each route
+    for name, (token, patches) in CHAIN_ROUTES.items():
+        runs[name] = {"site": cut_chains(site, data, cuts, token, patches)}
+    runs["cover"] = {"site": site, "cover": False}
+    runs["gluing"] = {"site": site, "dropped": range(len(GLUE_EDGES))}
+    runs.update({" ".join(GLUE_EDGES[i]): {"site": site, "dropped": [i]} for i in used})
+    routes = {}
+    for name, cut in runs.items():
+        with cut_routes(model, **cut):
+            routes[name] = next_token_loss(model, data, seq)
+    return {"cuts": int(cuts.numel()), "routes": routes}
+
+
+def _kind_loss(row: dict, kind: int) -> float | None:
+    return row["by_target_kind"].get(Kind.NAMES[kind])
+
+
+def format_routes(result: dict) -> str:
+    """The route table: loss overall and of the long-range target kinds, with each route cut."""
+    kinds = [Kind.NAMES[k] for k in LONG_RANGE_KINDS]
+    num = lambda v: "-" if v is None else f"{v:.3f}"
+    lines = [f"routes (eval loss in nats with one route cut; {result['cuts']} section cuts; anchored: knowing the "
+             f"key {ANCHORED_FLOOR:.2f}, uniform {ANCHORED_UNIFORM:.2f})",
+             f"{'cut':<34}{'loss':>8}" + "".join(f"{k:>12}" for k in kinds)]
+    for name, row in result["routes"].items():
+        lines.append(f"{name:<34}{row['loss']:>8.3f}" + "".join(f"{num(_kind_loss(row, k)):>12}"
+                                                              for k in LONG_RANGE_KINDS))
+    return "\n".join(lines)
+
+
+def plot_routes(result: dict, path: str | Path) -> None:
+    """Horizontal bars: the long-range kinds' loss with each route cut, against nothing cut."""
+    plt = pyplot()
+    names = list(result["routes"])
+    fig, axes = plt.subplots(1, len(LONG_RANGE_KINDS), figsize=(11, 0.32 * len(names) + 1.6), sharey=True)
+    for ax, kind in zip(axes, LONG_RANGE_KINDS):
+        values = [_kind_loss(result["routes"][n], kind) or 0.0 for n in names]
+        ax.barh(range(len(names)), values, color=["tab:gray"] + ["tab:blue"] * (len(names) - 1))
+        ax.axvline(values[0], color="black", lw=0.8, ls="--", label="nothing cut")
+        if kind == Kind.ANCHORED:
+            ax.axvline(ANCHORED_FLOOR, color="tab:green", lw=0.8, label="knowing the key")
+            ax.axvline(ANCHORED_UNIFORM, color="tab:red", lw=0.8, label="uniform")
+        ax.set_title(f"{Kind.NAMES[kind]} targets")
+        ax.set_xlabel("eval loss with the route cut (nats)")
+        ax.legend(fontsize=7, loc="lower right")
+    axes[0].set_yticks(range(len(names)), names, fontsize=8)
+    axes[0].invert_yaxis()
+    fig.suptitle(f"Which route carries a long-range dependency ({result['cuts']} sections)")
+    save_figure(fig, Path(path), dpi=120)
