@@ -221,20 +221,23 @@ def format_routes(result: dict) -> str:
 
 
 def plot_routes(result: dict, path: str | Path) -> None:
-    """Horizontal bars: the long-range kinds' loss with each route cut, against nothing cut."""
+    """Horizontal bars: how much each cut raises the long-range kinds' loss (the cut's loss beside each bar)."""
     plt = pyplot()
-    names = list(result["routes"])
-    fig, axes = plt.subplots(1, len(LONG_RANGE_KINDS), figsize=(11, 0.32 * len(names) + 1.6), sharey=True)
+    names = list(result["routes"])[1:]
+    fig, axes = plt.subplots(1, len(LONG_RANGE_KINDS), figsize=(12, 0.32 * len(names) + 1.6), sharey=True)
     for ax, kind in zip(axes, LONG_RANGE_KINDS):
+        base = _kind_loss(result["routes"]["none"], kind) or 0.0
         values = [_kind_loss(result["routes"][n], kind) or 0.0 for n in names]
-        ax.barh(range(len(names)), values, color=["tab:gray"] + ["tab:blue"] * (len(names) - 1))
-        ax.axvline(values[0], color="black", lw=0.8, ls="--", label="nothing cut")
+        ax.barh(range(len(names)), [v - base for v in values], color="tab:blue")
+        for y, v in enumerate(values):
+            ax.annotate(f"{v:.2f}", (max(v - base, 0.0), y), xytext=(3, 0), textcoords="offset points",
+                        va="center", fontsize=7)
+        ax.axvline(0.0, color="black", lw=0.8)
         if kind == Kind.ANCHORED:
-            ax.axvline(ANCHORED_FLOOR, color="tab:green", lw=0.8, label="knowing the key")
-            ax.axvline(ANCHORED_UNIFORM, color="tab:red", lw=0.8, label="uniform")
-        ax.set_title(f"{Kind.NAMES[kind]} targets")
-        ax.set_xlabel("eval loss with the route cut (nats)")
-        ax.legend(fontsize=7, loc="lower right")
+            ax.axvline(ANCHORED_UNIFORM - base, color="tab:red", lw=0.8, ls="--", label="up to uniform")
+            ax.legend(fontsize=7, loc="lower right")
+        ax.set_title(f"{Kind.NAMES[kind]} targets: {base:.3f} nats with nothing cut")
+        ax.set_xlabel("loss increase with the route cut (nats)")
     axes[0].set_yticks(range(len(names)), names, fontsize=8)
     axes[0].invert_yaxis()
     fig.suptitle(f"Which route carries a long-range dependency ({result['cuts']} sections)")
