@@ -161,3 +161,24 @@ def test_run_learned_with_the_chains_cut_at_the_keys():
         LT.train_learned(SheafStateLM(LT.learned_model_config(d_model=16)), [s.ids for s in seqs],
                          Y.matched_site_config(), steps=1, window=256, batch=2,
                          cuts=[R.section_cuts(s) for s in seqs])
+
+
+def test_anchored_ordinal_counts_the_anchored_letters_of_each_section(sequence):
+    seq, _ = sequence
+    ordinal = R.anchored_ordinal(seq)
+    anchored = seq.kind == Y.Kind.ANCHORED
+    assert ((ordinal >= 0) == anchored).all()
+    keys = seq.key_pos[anchored]
+    for key in torch.unique(keys):  # 0, 1, 2, ... in each section, in order
+        assert torch.equal(ordinal[anchored][keys == key], torch.arange(int((keys == key).sum())))
+
+
+
+def test_next_token_loss_splits_the_anchored_letters_by_ordinal(model, sequence):
+    seq, data = sequence
+    row = R.next_token_loss(model, data, seq)
+    assert list(row["anchored_by_ordinal"]) == list(R.ORDINAL_GROUPS)
+    first = R.anchored_ordinal(seq)[1:] == 0  # targets that are a section's first anchored letter
+    with torch.no_grad():
+        ce = torch.nn.functional.cross_entropy(model(data)[:-1], seq.ids[1:], reduction="none")
+    assert row["anchored_by_ordinal"]["1st"] == pytest.approx(float(ce[first].mean()), rel=1e-6)

@@ -1,5 +1,6 @@
 """The learned-topology study: training, the pools against G*, weights, the union over blocks, references, plots."""
 
+import json
 import shutil
 
 import numpy as np
@@ -11,8 +12,9 @@ from sheafgnn.experiments import learned_topology as LT
 from sheafgnn.experiments import pool_scoring as P
 from sheafgnn.experiments import synthetic as Y
 from sheafgnn.experiments.learned_model import load_learned_model
-from sheafgnn.experiments.learned_report import format_learned, plot_learned
+from sheafgnn.experiments.learned_report import format_learned, plot_learned, saved_model_routes
 from sheafgnn.experiments.learned_routes import next_token_loss
+from sheafgnn.experiments.simulation import main_simulate
 from sheafgnn.model import SheafStateLM
 from sheafgnn.site import SiteConfig, build_site
 from sheafgnn.site.schema import CONTENT_EDGE, RANDOM_EDGE
@@ -39,6 +41,15 @@ def test_saved_model_loads_and_gives_the_study_s_eval_loss(learned, saved_model)
     seq = Y.generate(learned["n_eval"], learned["seed"])
     data = LT._eval_site(seq, SiteConfig.from_dict(learned["site_config"]))
     assert next_token_loss(model, data, seq)["loss"] == pytest.approx(learned["loss_after"]["loss"], abs=1e-6)
+
+
+def test_routes_of_the_saved_model_are_the_study_s(learned, saved_model, tmp_path):
+    """simulate --routes-of DIR measures the saved model as the study did, and writes its JSON and plot."""
+    result = saved_model_routes(saved_model, learned["n_eval"], learned["seed"])
+    assert result["routes"] == learned["routes"]["routes"]
+    assert main_simulate(["--routes-of", str(saved_model), "--n", str(learned["n_eval"]), "--out", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "learned_routes.json").read_text())["routes"] == learned["routes"]["routes"]
+    assert (tmp_path / "learned_routes.png").stat().st_size > 1000
 
 
 def test_load_learned_model_refuses_an_empty_or_corrupt_folder(learned, saved_model, tmp_path):

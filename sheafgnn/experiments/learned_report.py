@@ -1,7 +1,8 @@
 """The learned-topology study's report: the printed table, the figure, and ``sheafgnn simulate --learned``.
 
 Reads the dict :func:`sheafgnn.experiments.learned_topology.run_learned` returns (``learned_topology.json``);
-nothing here trains or scores.
+nothing here trains. :func:`saved_model_routes` measures the route cuts of a model the study saved
+(``sheafgnn simulate --routes-of DIR``), so a new question about a trained model needs no new training.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sheafgnn.experiments.learned_routes import format_routes, plot_routes
-from sheafgnn.experiments.learned_topology import run_learned
+from sheafgnn.experiments.learned_model import load_learned_model
+from sheafgnn.experiments.learned_routes import cut_chains, format_routes, plot_routes, route_losses, section_cuts
+from sheafgnn.experiments.learned_topology import _eval_site, run_learned
 from sheafgnn.experiments.report import label_loglog, power_law_label, pyplot, save_figure, write_json
+from sheafgnn.experiments.synthetic import generate
+from sheafgnn.site.flat import flatten_site
 
 
 def plot_learned(result: dict, path) -> None:
@@ -132,4 +136,28 @@ def main_learned(args: argparse.Namespace, out: Path) -> int:
     plot_routes(result["routes"], out / "learned_routes.png")
     print(f"\nwrote {out / 'learned_topology.json'}, {out / 'learned_topology.png'}, {out / 'learned_routes.png'} "
           f"({result['seconds']:.0f} s)")
+    return 0
+
+
+def saved_model_routes(ckpt_dir, n_eval: int = 32768, seed: int = 0, cut_chains_at_keys: bool = False) -> dict:
+    """:func:`~sheafgnn.experiments.learned_routes.route_losses` of the model ``simulate --learned --save-model
+    ckpt_dir`` wrote, on the study's evaluation sequence: pass the study's ``n_eval``, ``seed`` and
+    ``cut_chains_at_keys`` (a model trained with its chains cut is measured from its cut site)."""
+    model = load_learned_model(ckpt_dir)
+    seq = generate(n_eval, seed)
+    data = _eval_site(seq, model.config.site_config)
+    site = cut_chains(flatten_site(data), data, section_cuts(seq)) if cut_chains_at_keys else None
+    result = route_losses(model, data, seq, site=site)
+    return {**result, "model": str(ckpt_dir), "n_eval": n_eval, "seed": seed, "cut_chains_at_keys": cut_chains_at_keys}
+
+
+def main_routes(args: argparse.Namespace, out: Path) -> int:
+    """``sheafgnn simulate --routes-of DIR``: :func:`saved_model_routes`, printed, learned_routes.json + .png."""
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    result = saved_model_routes(args.routes_of, args.n, args.seed, args.cut_chains)
+    print(format_routes(result))
+    write_json(out / "learned_routes.json", result)
+    plot_routes(result, out / "learned_routes.png")
+    print(f"\nwrote {out / 'learned_routes.json'}, {out / 'learned_routes.png'}")
     return 0

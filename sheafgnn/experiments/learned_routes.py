@@ -56,6 +56,9 @@ from sheafgnn.site.flat import FlatSite, flatten_site
 from sheafgnn.site.schema import CANDIDATE_EDGES, CHAINED_TYPES, CONTENT_EDGE, GLUE_EDGES, RANDOM_EDGE
 
 LONG_RANGE_KINDS = (Kind.ANCHORED, Kind.VALUE_COPY)  # target kinds whose G* has a long-range source
+# Ordinals of an anchored letter in its section, grouped: the first follows the key closely, the later ones can
+# also infer the key's shift from the section's earlier anchored letters, a route G* does not list.
+ORDINAL_GROUPS = {"1st": (0, 0), "2nd": (1, 1), "3rd-5th": (2, 4), "6th-10th": (5, 9), "11th+": (10, None)}
 CHAIN_ROUTES = {"token chain": (True, False), "patch chains": (False, True), "chains": (True, True)}
 ANCHORED_FLOOR, ANCHORED_UNIFORM = 1.386, 2.773  # ln 4 (the key known: 4 letters left) and ln 16, in nats
 
@@ -75,8 +78,28 @@ def next_token_loss(model, data: HeteroData, seq: SyntheticSequence) -> dict:
         if mask.any():
             by_kind[name] = float(ce[mask].mean())
     long_range = torch.isin(target_kind, torch.tensor(LONG_RANGE_KINDS))
+    ordinal = anchored_ordinal(seq)[1:]  # of each target
+    by_ordinal = {}
+    for name, (lo, hi) in ORDINAL_GROUPS.items():
+        mask = (ordinal >= lo) & (ordinal <= (hi if hi is not None else ordinal.max()))
+        by_ordinal[name] = float(ce[mask].mean()) if mask.any() else None
     return {"loss": float(ce.mean()), "by_target_kind": by_kind,
-            "long_range": float(ce[long_range].mean()) if long_range.any() else None}
+            "long_range": float(ce[long_range].mean()) if long_range.any() else None,
+            "anchored_by_ordinal": by_ordinal}
+
+
+def anchored_ordinal(seq: SyntheticSequence) -> Tensor:
+    """(n,) for every anchored token its ordinal among the anchored tokens of its section (0: the first
+    sentence's), -1 for every other token."""
+    anchored = torch.nonzero(seq.kind == Kind.ANCHORED).flatten()  # (A,)
+    key = seq.key_pos[anchored]
+    index = torch.arange(anchored.numel())
+    first = torch.ones(anchored.numel(), dtype=torch.bool)
+    first[1:] = key[1:] != key[:-1]  # a new section's first anchored token
+    group_start = torch.where(first, index, 0).cummax(0).values
+    out = torch.full_like(seq.ids, -1)
+    out[anchored] = index - group_start
+    return out
 
 
 def random_score_loss(model: SheafStateLM, data: HeteroData, seq: SyntheticSequence) -> dict:
@@ -212,11 +235,14 @@ def format_routes(result: dict) -> str:
     kinds = [Kind.NAMES[k] for k in LONG_RANGE_KINDS]
     num = lambda v: "-" if v is None else f"{v:.3f}"
     lines = [f"routes (eval loss in nats with one route cut; {result['cuts']} section cuts; anchored: knowing the "
-             f"key {ANCHORED_FLOOR:.2f}, uniform {ANCHORED_UNIFORM:.2f})",
-             f"{'cut':<34}{'loss':>8}" + "".join(f"{k:>12}" for k in kinds)]
+             f"key {ANCHORED_FLOOR:.2f}, uniform {ANCHORED_UNIFORM:.2f}; then the anchored letters by their "
+             "ordinal in the section)",
+             f"{'cut':<34}{'loss':>8}" + "".join(f"{k:>12}" for k in kinds)
+             + "".join(f"{k:>10}" for k in ORDINAL_GROUPS)]
     for name, row in result["routes"].items():
-        lines.append(f"{name:<34}{row['loss']:>8.3f}" + "".join(f"{num(_kind_loss(row, k)):>12}"
-                                                              for k in LONG_RANGE_KINDS))
+        lines.append(f"{name:<34}{row['loss']:>8.3f}"
+                     + "".join(f"{num(_kind_loss(row, k)):>12}" for k in LONG_RANGE_KINDS)
+                     + "".join(f"{num(row['anchored_by_ordinal'][k]):>10}" for k in ORDINAL_GROUPS))
     return "\n".join(lines)
 
 

@@ -21,6 +21,8 @@ the same sequence.
     sheafgnn simulate [--n 32768] [--out runs/simulate]      simulate_table.json, simulate_scaling.json/.png
     sheafgnn simulate --learned [...]                        learned_topology.json/.png
                                                              (sheafgnn.experiments.learned_topology)
+    sheafgnn simulate --routes-of DIR [--cut-chains]         learned_routes.json/.png of a saved model
+                                                             (sheafgnn.experiments.learned_report)
 
 **Edges**: the relations for dense and window attention (one attention score
 per pair); for the site its physical message edges, the edges of its
@@ -42,7 +44,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from sheafgnn.config import ArgumentParser, at_least
-from sheafgnn.experiments.learned_report import main_learned
+from sheafgnn.experiments.learned_report import main_learned, main_routes
 from sheafgnn.experiments.learned_topology import run_learned
 from sheafgnn.experiments.report import fit_exponent, label_loglog, power_law_label, pyplot, save_figure, write_json
 from sheafgnn.experiments.synthetic import (
@@ -233,8 +235,12 @@ def parse_simulate_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cut-chains", action="store_true",
                         help="--learned: train and evaluate with every chain restarted after each section key, "
                              "so that only the gluing can carry the key (learned_routes.cut_chains)")
+    parser.add_argument("--routes-of", metavar="DIR", default=None,
+                        help="instead: the route cuts of the model --learned --save-model DIR kept, with that "
+                             "study's --n, --seed and --cut-chains (learned_routes.json)")
     parser.add_argument("--threads", type=at_least(0), default=1,
-                        help="--learned: torch threads (default: 1, the model is tiny; 0: torch's default)")
+                        help="--learned, --routes-of: torch threads (default: 1, the model is tiny; 0: torch's "
+                             "default)")
     return parser.parse_args(argv)
 
 
@@ -245,6 +251,8 @@ def main_simulate(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.learned:
         return main_learned(args, out)
+    if args.routes_of is not None:
+        return main_routes(args, out)
     _table_command(args, out)
     _scaling_command(args, out)
     print(f"\nwrote {out / 'simulate_table.json'}, {out / 'simulate_scaling.json'}, {out / 'simulate_scaling.png'}")
