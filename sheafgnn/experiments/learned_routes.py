@@ -24,7 +24,7 @@ route at evaluation and reading the next-token loss by target kind:
 A route is *needed* by a target kind when cutting it raises that kind's loss;
 the anchored letters' floor is 1.39 nats (knowing the key) and their uniform
 loss 2.77. The cuts are forward hooks: the model's weights and code are
-untouched, and the hooks are gone when a route is measured.
+untouched, and the hooks are removed after each route.
 
 ::
 
