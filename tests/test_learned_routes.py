@@ -12,7 +12,7 @@ from sheafgnn.experiments import synthetic as Y
 from sheafgnn.model import SheafStateLM
 from sheafgnn.site import build_site
 from sheafgnn.site.flat import flatten_site
-from sheafgnn.site.schema import CHAINED_TYPES, GLUE_EDGES
+from sheafgnn.site.schema import CHAINED_TYPES, CONTENT_EDGE, GLUE_EDGES
 
 SHORT_SECTIONS = Y.GeneratorConfig(section_len=64)
 
@@ -125,6 +125,7 @@ def test_route_losses_table_and_plot(model, sequence, tmp_path):
     assert list(routes)[:6] == ["none", "token chain", "patch chains", "chains", "cover", "gluing"]
     used = [" ".join(GLUE_EDGES[i]) for i in R.glue_types_in_use(model, data)]
     assert list(routes)[6:] == used and "token matches output" in used and "local next local" in used
+    assert len(result["value_copy_sources"]) == len(model.blocks)
     assert routes["none"] == R.next_token_loss(model, data, seq)
     assert all(np.isfinite(row["loss"]) for row in routes.values())
     assert all(routes[name]["loss"] != routes["none"]["loss"] for name in ("chains", "cover", "gluing"))
@@ -182,3 +183,21 @@ def test_next_token_loss_splits_the_anchored_letters_by_ordinal(model, sequence)
     with torch.no_grad():
         ce = torch.nn.functional.cross_entropy(model(data)[:-1], seq.ids[1:], reduction="none")
     assert row["anchored_by_ordinal"]["1st"] == pytest.approx(float(ce[first].mean()), rel=1e-6)
+
+
+def test_value_copy_sources_classify_each_copy_by_its_strongest_content_edge(model, sequence):
+    seq, data = sequence
+    entity = seq.dep_type == Y.DEP_TYPES.index("entity")
+    assert entity.sum() >= 3
+    counts = R.value_copy_sources(model, data, seq)
+    assert len(counts) == len(model.blocks)
+    for b, row in enumerate(counts):
+        assert sum(row.values()) == int(entity.sum())
+        edges = model.topology(data, block=b)[CONTENT_EDGE]  # the strongest edge by brute force
+        best = {}
+        for s, t, w in zip(*edges["edge_index"].tolist(), edges["weight"].tolist()):
+            if t not in best or w > best[t][1]:
+                best[t] = (s, w)
+        listed = sum(best.get(d - 1, (-1,))[0] == s for s, d in zip(seq.src[entity].tolist(), seq.dst[entity].tolist()))
+        none = sum(d - 1 not in best for d in seq.dst[entity].tolist())
+        assert (row["listed"], row["none"]) == (listed, none)

@@ -34,6 +34,7 @@ untouched, and the hooks are removed after each route.
     cut_chains(site, data, cuts) -> FlatSite   the flat site with its chains restarted at the cuts
     cut_routes(model, site, dropped)           context: blocks run on ``site``, glue types ``dropped`` carry nothing
     route_losses(model, data, seq) -> dict     every route cut in turn (learned_topology.json "routes")
+    value_copy_sources(model, data, seq)       per block: which value the strongest content edge of a copy reads
     format_routes(routes), plot_routes(routes, path)
 """
 
@@ -50,7 +51,7 @@ from torch import Tensor
 from torch_geometric.data import HeteroData
 
 from sheafgnn.experiments.report import pyplot, save_figure
-from sheafgnn.experiments.synthetic import Kind, SyntheticSequence
+from sheafgnn.experiments.synthetic import DEP_TYPES, Kind, SyntheticSequence
 from sheafgnn.model import SheafStateLM
 from sheafgnn.site.flat import FlatSite, flatten_site
 from sheafgnn.site.schema import CANDIDATE_EDGES, CHAINED_TYPES, CONTENT_EDGE, GLUE_EDGES, RANDOM_EDGE
@@ -204,7 +205,8 @@ def route_losses(model: SheafStateLM, data: HeteroData, seq: SyntheticSequence, 
             is measured from its own cut site).
 
     Returns:
-        ``{"cuts": S, "routes": {name: next_token_loss row}}``; names ``"none"`` (nothing cut),
+        ``{"cuts": S, "routes": {name: next_token_loss row}, "value_copy_sources": per block}``
+        (:func:`value_copy_sources`); route names ``"none"`` (nothing cut),
         ``"token chain"``, ``"patch chains"``, ``"chains"``, ``"cover"``, ``"gluing"``, then ``"src rel dst"``
         for every glue type in use (:func:`glue_types_in_use`).
     """
@@ -223,7 +225,40 @@ def route_losses(model: SheafStateLM, data: HeteroData, seq: SyntheticSequence, 
     for name, cut in runs.items():
         with cut_routes(model, **cut):
             routes[name] = next_token_loss(model, data, seq)
-    return {"cuts": int(cuts.numel()), "routes": routes}
+    with cut_routes(model, site):
+        sources = value_copy_sources(model, data, seq)
+    return {"cuts": int(cuts.numel()), "routes": routes, "value_copy_sources": sources}
+
+
+def value_copy_sources(model: SheafStateLM, data: HeteroData, seq: SyntheticSequence) -> list[dict]:
+    """Per block, what the strongest kept content-addressed edge into each value-copy output reads (the
+    output before a copied value): ``"listed"``, G*'s source (the previous mention's value); ``"earlier
+    mention"``, an older mention's value of the same entity (the same value: G* lists only one source);
+    ``"other"``; or ``"none"`` (no content edge kept). Counts of outputs."""
+    entity = seq.dep_type == DEP_TYPES.index("entity")
+    src, dst = seq.src[entity].tolist(), seq.dst[entity].tolist()  # each copy from the previous mention's value
+    first: dict[int, int] = {}  # value position -> the entity's first value position
+    for s, d in sorted(zip(src, dst), key=lambda p: p[1]):
+        first[d] = first.get(s, s)
+    out = []
+    for b in range(len(model.blocks)):
+        edges = model.topology(data, block=b)[CONTENT_EDGE]
+        ei, weight = edges["edge_index"], edges["weight"]
+        order = torch.argsort(weight, stable=True)
+        order = order[torch.argsort(ei[1, order], stable=True)]  # by output, then weight: the last is the strongest
+        out_of, src_of = ei[1, order], ei[0, order]
+        last = torch.ones_like(out_of, dtype=torch.bool)
+        last[:-1] = out_of[1:] != out_of[:-1]
+        strongest = torch.full((seq.ids.numel(),), -1, dtype=torch.long)
+        strongest[out_of[last]] = src_of[last]
+        counts = {"listed": 0, "earlier mention": 0, "other": 0, "none": 0}
+        for s, d in zip(src, dst):
+            k = int(strongest[d - 1])
+            kind = ("none" if k < 0 else "listed" if k == s else
+                    "earlier mention" if first.get(k, k) == first.get(s, s) else "other")
+            counts[kind] += 1
+        out.append(counts)
+    return out
 
 
 def _kind_loss(row: dict, kind: int) -> float | None:
@@ -243,6 +278,9 @@ def format_routes(result: dict) -> str:
         lines.append(f"{name:<34}{row['loss']:>8.3f}"
                      + "".join(f"{num(_kind_loss(row, k)):>12}" for k in LONG_RANGE_KINDS)
                      + "".join(f"{num(row['anchored_by_ordinal'][k]):>10}" for k in ORDINAL_GROUPS))
+    for b, counts in enumerate(result.get("value_copy_sources", [])):
+        lines.append(f"block {b}: the strongest content edge of a value-copy output reads " +
+                     ", ".join(f"{name} {n:,}" for name, n in counts.items()))
     return "\n".join(lines)
 
 
