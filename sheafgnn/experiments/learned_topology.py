@@ -339,8 +339,7 @@ def run_learned(n_train: int = 1 << 20, n_eval: int = 32768, steps: int = 12000,
             Independent sequences matter: an entity's value is drawn once per sequence, so
             windows of one long sequence would let a model memorise values instead of copying.
         n_eval (int): tokens of the evaluation sequence (default: :obj:`32768`).
-        steps (int): optimizer steps (default: :obj:`12000`; at 4,500 the value copy is half learned,
-            see README).
+        steps (int): optimizer steps (default: :obj:`12000`; at 4,500 the value copy is half learned).
         seed (int): evaluation sequence, model init and window order (default: :obj:`0`).
         window, batch (int): tokens per training window, windows per step (default: :obj:`1024`, :obj:`1`).
         lr (float): peak AdamW learning rate; 5% warm-up, cosine to lr / 10 (default: :obj:`2e-3`).
@@ -375,10 +374,8 @@ def run_learned(n_train: int = 1 << 20, n_eval: int = 32768, steps: int = 12000,
     data = _eval_site(seq, site_config)
     targets = long_range_targets(data, seq, hops)
     log = lambda msg: print(msg, flush=True) if verbose else None
-    cuts, eval_site = None, None
-    if cut_chains_at_keys:
-        cuts = [section_cuts(s) for s in train_seqs]
-        eval_site = cut_chains(flatten_site(data), data, section_cuts(seq))
+    cuts = [section_cuts(s) for s in train_seqs] if cut_chains_at_keys else None
+    eval_site = cut_chains(flatten_site(data), data, section_cuts(seq)) if cut_chains_at_keys else None
     with cut_routes(model, eval_site):  # without cuts: no hook
         loss_before = next_token_loss(model, data, seq)
         untrained = _score_model(model, data, seq, targets, hops, thresholds=())
@@ -388,28 +385,33 @@ def run_learned(n_train: int = 1 << 20, n_eval: int = 32768, steps: int = 12000,
                               verbose=verbose, cuts=cuts)
         if save_model is not None:
             save_learned_model(model, save_model, train["steps"])
-        loss_after = next_token_loss(model, data, seq)
-        loss_random = random_score_loss(model, data, seq)
-        log(f"eval loss after: {loss_after['loss']:.4f}, with random scores {loss_random['loss']:.4f}")
-        routes = route_losses(model, data, seq, site=eval_site)
-        learned = _score_model(model, data, seq, targets, hops, thresholds, recall=True)
+        trained = _evaluate_trained(model, data, seq, targets, hops, thresholds, eval_site, log)
     references = _references(seq, data, hops)
     growth = _growth(model, growth_ns, seed, config, site_config, hops, log)
-    kept, fixed = learned["rows"]["kept"], references["fixed_only"]
-    return {"auc_per_destination": learned["auc"], "candidate_recall": learned["recall"],
-            "coverage": kept["coverage"], "waste": kept["waste"], "learned": learned["rows"],
-            "random_score_loss_delta": loss_random["loss"] - loss_after["loss"], "loss_random_scores": loss_random,
-            "routes": routes,
+    kept, fixed = trained["learned"]["kept"], references["fixed_only"]
+    return {**trained, "coverage": kept["coverage"], "waste": kept["waste"], "loss_before": loss_before,
             "waste_floor": waste_floor(fixed, int(seq.src.numel()), TARGETS["coverage"]),
-            "waste_of_selection": waste_of_selection(kept, fixed),
-            "loss_before": loss_before, "loss_after": loss_after, "designed": references.pop("designed"),
+            "waste_of_selection": waste_of_selection(kept, fixed), "designed": references.pop("designed"),
             "untrained": {"kept": untrained["rows"]["kept"], "auc_per_destination": untrained["auc"]},
             "references": references, "growth": growth, "train": train, "deps": seq.dep_counts(),
             "targets": dict(TARGETS), "n_train": n_train, "n_eval": n_eval, "seed": seed, "hops": hops,
             "window": window, "batch": batch, "lr": lr, "cut_chains_at_keys": cut_chains_at_keys,
-            "generator": asdict(seq.config),
-            "site_config": site_config.to_dict(), "model_config": model_config.to_dict(),
+            "generator": asdict(seq.config), "site_config": site_config.to_dict(),
+            "model_config": model_config.to_dict(),
             "parameters": sum(p.numel() for p in model.parameters()), "seconds": time.perf_counter() - start_all}
+
+
+def _evaluate_trained(model: SheafStateLM, data: HeteroData, seq: SyntheticSequence, targets: LongRangeTargets,
+                      hops: int, thresholds: tuple[float, ...], eval_site, log) -> dict:
+    """run_learned's keys measured after training: the eval losses (trained, with random scores, with each
+    route cut from ``eval_site``) and the kept topology and pools scored against G*."""
+    loss_after = next_token_loss(model, data, seq)
+    loss_random = random_score_loss(model, data, seq)
+    log(f"eval loss after: {loss_after['loss']:.4f}, with random scores {loss_random['loss']:.4f}")
+    learned = _score_model(model, data, seq, targets, hops, thresholds, recall=True)
+    return {"auc_per_destination": learned["auc"], "candidate_recall": learned["recall"], "learned": learned["rows"],
+            "random_score_loss_delta": loss_random["loss"] - loss_after["loss"], "loss_random_scores": loss_random,
+            "routes": route_losses(model, data, seq, site=eval_site), "loss_after": loss_after}
 
 
 def _score_topology(topology: Topology, data: HeteroData, seq: SyntheticSequence, hops: int) -> dict:
