@@ -43,8 +43,9 @@ plus ``kept_edges``, the gluing edges of the topology.
                              blocks, top-k and weights alike) minus the trained loss, in nats: positive = the
                              model uses its scorer; loss_random_scores holds that loss by target kind
     routes                   eval loss with one route cut at a time: a chain (Phi's state across each section's key),
-                             all gluing, or one glue type's kept edges (learned_routes.route_losses): which route
-                             the long-range targets need, whether or not coverage counts it
+                             the cover edges, all gluing, or one glue type's kept edges, and which value the value
+                             copies read (learned_routes.route_losses): which route the long-range targets need,
+                             whether or not coverage counts it
     waste_floor              the least waste of any selection at the target coverage, given the fixed edges
                              (waste_floor of the fixed_only reference)
     waste_of_selection       1 - (dependencies realised only through kept gluing edges) / (relations those
