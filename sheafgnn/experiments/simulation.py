@@ -233,8 +233,8 @@ def parse_simulate_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="--learned: keep the trained model in DIR (a checkpoint folder; "
                              "sheafgnn.experiments.learned_model.load_learned_model reads it)")
     parser.add_argument("--cut-chains", action="store_true",
-                        help="--learned, --routes-of: train and evaluate with every chain restarted after each section key, "
-                             "so that only the gluing can carry the key (learned_routes.cut_chains)")
+                        help="--learned, --routes-of: train and evaluate with every chain restarted after each "
+                             "section key, so that only the gluing can carry the key (learned_routes.cut_chains)")
     parser.add_argument("--routes-of", metavar="DIR", default=None,
                         help="instead: the route cuts of the model --learned --save-model DIR kept, with that "
                              "study's --n, --seed and --cut-chains (learned_routes.json)")
