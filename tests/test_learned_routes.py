@@ -41,7 +41,7 @@ def test_section_cuts_are_the_positions_after_the_keys(sequence):
 def test_cut_chains_restarts_each_chain_after_every_cut(sequence):
     seq, data = sequence
     site, cuts = flatten_site(data), R.section_cuts(seq)
-    cut = R.cut_chains(site, data, cuts)
+    cut = R.cut_chains(data, cuts)
     assert (cut.token_reset >= site.token_reset).all() and (cut.chain_reset >= site.chain_reset).all()
     assert torch.equal(torch.nonzero(cut.token_reset & ~site.token_reset).flatten(), cuts)
     first = 0
@@ -57,11 +57,11 @@ def test_cut_chains_restarts_each_chain_after_every_cut(sequence):
             before = cuts[cuts <= start[i]]
             if before.numel():  # nothing since the chain's last restart started before the latest cut
                 assert int(start[last : i + 1].min()) >= int(before.max()), (t, i)
-    only_token = R.cut_chains(site, data, cuts, patches=False)
+    only_token = R.cut_chains(data, cuts, patches=False)
     assert torch.equal(only_token.chain_reset, site.chain_reset)
     with pytest.raises(ValueError, match="one text"):
         batch = Batch.from_data_list([data, data])
-        R.cut_chains(flatten_site(batch), batch, cuts)
+        R.cut_chains(batch, cuts)
 
 
 def _perturbed(data, upto: int):
@@ -84,7 +84,7 @@ def test_a_cut_route_carries_nothing_across_the_cut_and_an_open_one_does(model, 
     _, data = sequence
     cut_at = 300
     all_glue = list(range(len(GLUE_EDGES)))
-    chains_cut = R.cut_chains(flatten_site(data), data, torch.tensor([cut_at]))
+    chains_cut = R.cut_chains(data, torch.tensor([cut_at]))
     a, b = _logits_after(model, data, cut_at, chains_cut, all_glue)
     torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
     for site, dropped in ((None, all_glue), (chains_cut, [])):
@@ -110,7 +110,7 @@ def test_a_cover_cut_leaves_the_patches_blind_to_the_tokens(model, sequence):
 def test_cut_routes_removes_its_hooks(model, sequence):
     seq, data = sequence
     before = R.next_token_loss(model, data, seq)["loss"]
-    with R.cut_routes(model, R.cut_chains(flatten_site(data), data, R.section_cuts(seq)), [0, 1], cover=False):
+    with R.cut_routes(model, R.cut_chains(data, R.section_cuts(seq)), [0, 1], cover=False):
         assert R.next_token_loss(model, data, seq)["loss"] != before
     assert all(not b._forward_pre_hooks and not b.topology._forward_hooks and not b.pool._forward_hooks
                for b in model.blocks)

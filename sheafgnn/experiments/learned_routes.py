@@ -31,7 +31,7 @@ untouched, and the hooks are removed after each route.
     next_token_loss(model, data, seq)          eval loss: overall, by target kind, long-range targets
     random_score_loss(model, data, seq)        the same with every block's scores seeded noise
     section_cuts(seq) -> (S,)                  the position after each section key
-    cut_chains(site, data, cuts) -> FlatSite   the flat site with its chains restarted at the cuts
+    cut_chains(data, cuts) -> FlatSite         the flat site with its chains restarted at the cuts
     cut_routes(model, site, dropped)           context: blocks run on ``site``, glue types ``dropped`` carry nothing
     route_losses(model, data, seq) -> dict     every route cut in turn (learned_topology.json "routes")
     value_copy_sources(model, data, seq)       per block: which value the strongest content edge of a copy reads
@@ -41,6 +41,7 @@ untouched, and the hooks are removed after each route.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -51,7 +52,7 @@ from torch import Tensor
 from torch_geometric.data import HeteroData
 
 from sheafgnn.experiments.report import pyplot, save_figure
-from sheafgnn.experiments.synthetic import DEP_TYPES, Kind, SyntheticSequence
+from sheafgnn.experiments.synthetic import DEP_TYPES, LETTERS, GeneratorConfig, Kind, SyntheticSequence
 from sheafgnn.model import SheafStateLM
 from sheafgnn.site.flat import FlatSite, flatten_site
 from sheafgnn.site.schema import CANDIDATE_EDGES, CHAINED_TYPES, CONTENT_EDGE, GLUE_EDGES, RANDOM_EDGE
@@ -59,9 +60,10 @@ from sheafgnn.site.schema import CANDIDATE_EDGES, CHAINED_TYPES, CONTENT_EDGE, G
 LONG_RANGE_KINDS = (Kind.ANCHORED, Kind.VALUE_COPY)  # target kinds whose G* has a long-range source
 # Ordinals of an anchored letter in its section, grouped: the first follows the key closely, the later ones can
 # also infer the key's shift from the section's earlier anchored letters, a route G* does not list.
-ORDINAL_GROUPS = {"1st": (0, 0), "2nd": (1, 1), "3rd-5th": (2, 4), "6th-10th": (5, 9), "11th+": (10, None)}
+ORDINAL_GROUPS = {"1st": (0, 0), "2nd": (1, 1), "3rd-5th": (2, 4), "6th-10th": (5, 9), "11th+": (10, math.inf)}
 CHAIN_ROUTES = {"token chain": (True, False), "patch chains": (False, True), "chains": (True, True)}
-ANCHORED_FLOOR, ANCHORED_UNIFORM = 1.386, 2.773  # ln 4 (the key known: 4 letters left) and ln 16, in nats
+# In nats: the key known, the letter is one of ``branching`` (T[a, b, u] for each free u); unknown, any of 16.
+ANCHORED_FLOOR, ANCHORED_UNIFORM = math.log(GeneratorConfig().branching), math.log(len(LETTERS))
 
 
 @torch.no_grad()
@@ -82,7 +84,7 @@ def next_token_loss(model, data: HeteroData, seq: SyntheticSequence) -> dict:
     ordinal = anchored_ordinal(seq)[1:]  # of each target
     by_ordinal = {}
     for name, (lo, hi) in ORDINAL_GROUPS.items():
-        mask = (ordinal >= lo) & (ordinal <= (hi if hi is not None else ordinal.max()))
+        mask = (ordinal >= lo) & (ordinal <= hi)
         by_ordinal[name] = float(ce[mask].mean()) if mask.any() else None
     return {"loss": float(ce.mean()), "by_target_kind": by_kind,
             "long_range": float(ce[long_range].mean()) if long_range.any() else None,
@@ -133,15 +135,17 @@ def _crosses(start: Tensor, cuts: Tensor) -> Tensor:
     return out
 
 
-def cut_chains(site: FlatSite, data: HeteroData, cuts: Tensor, token: bool = True, patches: bool = True) -> FlatSite:
-    """``site`` (``flatten_site(data)``) with its chains restarted at the token positions ``cuts``.
+def cut_chains(data: HeteroData, cuts: Tensor, token: bool = True, patches: bool = True,
+               site: FlatSite | None = None) -> FlatSite:
+    """The flat site of ``data`` with its chains restarted at the token positions ``cuts``.
 
     Args:
-        site (FlatSite): the flat site of ``data``, one graph.
-        data (HeteroData): the site (its patches' ``span`` give where they start).
+        data (HeteroData): the site of one text (its patches' ``span`` give where they start).
         cuts (Tensor): (S,) token positions; no chain state crosses from before one to after it.
         token, patches (bool): cut the token chain, the patch chains.
+        site (FlatSite, optional): the flat site of ``data`` to cut further (default: ``flatten_site(data)``).
     """
+    site = site if site is not None else flatten_site(data)
     if not bool((site.token_pos == torch.arange(site.token_pos.numel(), device=site.token_pos.device)).all()):
         raise ValueError("cut_chains: expected the site of one text, not a batch")
     cuts = torch.sort(cuts.to(site.token_pos.device)).values
@@ -217,7 +221,7 @@ def route_losses(model: SheafStateLM, data: HeteroData, seq: SyntheticSequence, 
     used = glue_types_in_use(model, data)
     runs = {"none": {"site": site}}  # cut_routes' arguments of each route
     for name, (token, patches) in CHAIN_ROUTES.items():
-        runs[name] = {"site": cut_chains(site, data, cuts, token, patches)}
+        runs[name] = {"site": cut_chains(data, cuts, token, patches, site=site)}
     runs["cover"] = {"site": site, "cover": False}
     runs["gluing"] = {"site": site, "dropped": range(len(GLUE_EDGES))}
     runs.update({" ".join(GLUE_EDGES[i]): {"site": site, "dropped": [i]} for i in used})

@@ -113,7 +113,6 @@ from sheafgnn.model import SheafStateConfig, SheafStateLM
 from sheafgnn.optim import cosine_lr
 from sheafgnn.relations import topology_graph
 from sheafgnn.site import CANDIDATE_EDGES, SiteConfig, build_site
-from sheafgnn.site.flat import flatten_site
 from sheafgnn.site.schema import CONTENT_EDGE, RANDOM_EDGE, EdgeType
 from sheafgnn.train import train_step
 
@@ -301,7 +300,7 @@ def train_learned(model: SheafStateLM, sequences: Tensor | list[Tensor], site_co
         cut_site = None
         if cuts is not None:
             in_window = cuts[picks[0]] - offsets[0]
-            cut_site = cut_chains(flatten_site(sites[0]), sites[0], in_window[(in_window > 0) & (in_window < window)])
+            cut_site = cut_chains(sites[0], in_window[(in_window > 0) & (in_window < window)])
         with cut_routes(model, cut_site):
             result = train_step(model, sites[0] if batch == 1 else Batch.from_data_list(sites), optimizer,
                                 lr=cosine_lr(step, peak_lr=lr, total_steps=steps, warmup_steps=warmup,
@@ -376,7 +375,7 @@ def run_learned(n_train: int = 1 << 20, n_eval: int = 32768, steps: int = 12000,
     targets = long_range_targets(data, seq, hops)
     log = lambda msg: print(msg, flush=True) if verbose else None
     cuts = [section_cuts(s) for s in train_seqs] if cut_chains_at_keys else None
-    eval_site = cut_chains(flatten_site(data), data, section_cuts(seq)) if cut_chains_at_keys else None
+    eval_site = cut_chains(data, section_cuts(seq)) if cut_chains_at_keys else None
     with cut_routes(model, eval_site):  # without cuts: no hook
         loss_before = next_token_loss(model, data, seq)
         untrained = _score_model(model, data, seq, targets, hops, thresholds=())
