@@ -10,17 +10,19 @@
 4. The learned topology's content proposals alone
    (:func:`~sheafgnn.nn.proposals.content_blocks`: every output scores the
    complete blocks before it, O(n^2 r / B)) at each n, and their share of
-   the step.
+   the step: the C++ kernel (:func:`~sheafgnn.nn.cpu_kernels.block_topk`)
+   against the PyTorch reference (chunked matmul + topk), same blocks checked.
 5. Sheaf against dense at 32k tokens in the same run, at the compare's
    matched sizes (sheaf d_model 128, dense matched within 10%, 2 layers):
    forward+backward time and peak extra memory, and the sheaf model again with
    ``recompute_ssm`` (each SSM's scan recomputed in backward) and with
    ``checkpoint_blocks`` (each block recomputed in backward); each model in a
    fresh process (:func:`fwd_bwd`), as in step 5b.
-   5b. Sheaf at twice that (64k) against dense *estimated* there from
-   :math:`t = a n^2 + b n` fitted to dense's times at 8k, 16k and 32k of this
-   run (a dense step at 64k takes minutes here); the JSON says
-   ``dense_measured: false``.
+   5b. Sheaf at twice that (64k) against dense measured there (about 10
+   minutes: a dense step at 64k takes 2.5 here), and against dense
+   *estimated* there from :math:`t = a n^2 + b n` fitted to dense's times at
+   8k, 16k and 32k of this run (``--estimate-dense-long``: the estimate only;
+   the JSON says ``dense_measured``).
 6. The fused gluing :func:`~sheafgnn.nn.gluing.transport_sum` against its
    plain reference (gather, transport, weigh, ``segment_sum``): forward+backward
    time, peak memory and the bytes autograd saves, for diag and dense maps.
@@ -52,9 +54,11 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
+import os
 import platform
 import subprocess
 import sys
@@ -70,6 +74,7 @@ from sheafgnn.experiments.report import pyplot, save_figure
 from sheafgnn.lm import build_model, matched_options
 from sheafgnn.memory import PeakMemory, tune_cpu_process
 from sheafgnn.model import SheafStateConfig, SheafStateLM
+from sheafgnn.nn import cpu_kernels
 from sheafgnn.nn.gluing import transport_sum, transport_sum_reference
 from sheafgnn.nn.proposals import content_blocks
 from sheafgnn.nn.segment import HAS_TORCH_SCATTER, segment_sum, sort_by_destination, use_backend
@@ -120,17 +125,42 @@ def model_scaling(sizes: list[int], repeats: int, config: SheafStateConfig) -> l
 
 
 def proposal_cost(sizes: list[int], config: SheafStateConfig, repeats: int) -> list[dict]:
-    """Seconds of the content proposals alone (block scoring + top blocks) at each n, forward only."""
+    """Seconds of the content proposals alone (block scoring + best blocks) at each n, forward only: as the
+    model runs them (the C++ kernel where it builds) and through the PyTorch reference (chunked matmul +
+    topk), which must choose the same blocks."""
     torch.manual_seed(0)
     rows = []
     for n in sizes:
         query, keys = torch.randn(n, config.topology_rank), torch.randn(n, config.topology_rank)
         position, start = torch.arange(n), torch.zeros(n, dtype=torch.long)
-        seconds = best_of(lambda: content_blocks(query, keys, position, start, config.proposal_block,  # noqa: B023
-                                                 config.content_blocks), repeats)
-        rows.append({"n": n, "content_proposals_s": seconds})
-        print(f"  content proposals n={n:>6}: {seconds:8.3f} s", flush=True)
+
+        def run(query=query, keys=keys, position=position, start=start):
+            return content_blocks(query, keys, position, start, config.proposal_block, config.content_blocks)
+
+        row = {"n": n, "kernel": cpu_kernels.block_topk() is not None, "content_proposals_s": best_of(run, repeats)}
+        chosen = run()
+        with reference_path():
+            row["reference_s"] = best_of(run, repeats)
+            row["same_blocks"] = bool(torch.equal(chosen, run()))
+        row["reference_over_kernel"] = row["reference_s"] / row["content_proposals_s"]
+        rows.append(row)
+        print(f"  content proposals n={n:>6}: {row['content_proposals_s']:8.3f} s (kernel: {row['kernel']}); "
+              f"PyTorch reference {row['reference_s']:8.3f} s, the same blocks: {row['same_blocks']}", flush=True)
     return rows
+
+
+@contextlib.contextmanager
+def reference_path():
+    """Run the PyTorch paths instead of the C++ kernels (SHEAFGNN_CPU_KERNELS=0) inside the block."""
+    before = os.environ.get("SHEAFGNN_CPU_KERNELS")
+    os.environ["SHEAFGNN_CPU_KERNELS"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["SHEAFGNN_CPU_KERNELS"]
+        else:
+            os.environ["SHEAFGNN_CPU_KERNELS"] = before
 
 
 @functools.cache
@@ -204,22 +234,30 @@ def sheaf_vs_dense(n: int, repeats: int) -> dict:
     return out
 
 
-def sheaf_vs_dense_fit(n: int, dense_times: dict[int, float], repeats: int) -> dict:
-    """Sheaf measured at ``n`` against dense *estimated* at ``n`` from :math:`t = a n^2 + b n` fitted (least
-    squares) to dense's measured times (``dense_times``: n -> seconds, this run's): at 64k a dense step
-    takes minutes here, so the fit stands in for it, as the issue allows."""
+def sheaf_vs_dense_long(n: int, dense_times: dict[int, float], repeats: int, measure_dense: bool) -> dict:
+    """Sheaf measured at ``n`` against dense measured there too (``measure_dense``: a dense step at 64k takes
+    2.5 minutes here, so the warm-up and ``repeats`` steps take about 10), and against dense *estimated* at
+    ``n`` from :math:`t = a n^2 + b n` fitted (least squares) to its measured times at smaller sizes
+    (``dense_times``: n -> seconds, this run's). The target reads the measured time where there is one (the
+    issue allows the estimate only where measuring exceeds the time cap). At 64k the fit fell 9% short of the
+    measured step (133 against 146 s, the fit from 8k / 16k / 32k of the same session)."""
     sizes = sorted(dense_times)
     design = torch.tensor([[m * m, m] for m in sizes], dtype=torch.float64)  # (S, 2)
     seconds = torch.tensor([dense_times[m] for m in sizes], dtype=torch.float64).unsqueeze(1)  # (S, 1)
     a, b = torch.linalg.lstsq(design, seconds).solution.squeeze(1).tolist()
     sheaf = fwd_bwd("sheaf", n, repeats)
-    dense_s = a * n * n + b * n
-    print(f"  sheaf n={n}: {sheaf['s']:.2f} s, {sheaf['peak_extra_bytes'] / 2**20:,.0f} MiB; dense estimated "
-          f"{dense_s:.1f} s from a n^2 + b n fitted at {sizes}", flush=True)
-    return {"n": n, "sheaf_s": sheaf["s"], "sheaf_peak_extra_bytes": sheaf["peak_extra_bytes"],
-            "dense_estimated_s": dense_s, "dense_measured": False,
-            "dense_fit": {"sizes": sizes, "seconds": [dense_times[m] for m in sizes], "a": a, "b": b},
-            "dense_over_sheaf": dense_s / sheaf["s"]}
+    out = {"n": n, "sheaf_s": sheaf["s"], "sheaf_peak_extra_bytes": sheaf["peak_extra_bytes"],
+           "dense_estimated_s": a * n * n + b * n, "dense_measured": measure_dense,
+           "dense_fit": {"sizes": sizes, "seconds": [dense_times[m] for m in sizes], "a": a, "b": b}}
+    out["dense_estimated_over_sheaf"] = out["dense_estimated_s"] / sheaf["s"]
+    line = (f"  sheaf n={n}: {sheaf['s']:.2f} s, {sheaf['peak_extra_bytes'] / 2**20:,.0f} MiB; dense estimated "
+            f"{out['dense_estimated_s']:.1f} s from a n^2 + b n fitted at {sizes}")
+    if measure_dense:
+        out["dense_s"] = fwd_bwd("dense", n, repeats, memory=False)["s"]
+        line += f", measured {out['dense_s']:.1f} s"
+    out["dense_over_sheaf"] = out.get("dense_s", out["dense_estimated_s"]) / sheaf["s"]
+    print(line, flush=True)
+    return out
 
 
 def train_throughput(context: int, batch_size: int, steps: int, rounds: int) -> dict:
@@ -368,6 +406,9 @@ def main() -> None:
     parser.add_argument("--train-rounds", type=int, default=3,
                         help="rounds of step 7, the models taking turns (default: 3)")
     parser.add_argument("--compare-n", type=int, default=32768, help="tokens of the sheaf vs dense step (default: 32k)")
+    parser.add_argument("--estimate-dense-long", action="store_true",
+                        help="step 5b: estimate dense at 2 x --compare-n from its fit only, without measuring it "
+                             "(saves about 10 minutes)")
     parser.add_argument("--untuned", action="store_true", help="step 1 only, with tune_cpu_allocator=False "
                         "(writes model_untuned.json)")
     parser.add_argument("--fwd-bwd", metavar="JSON", help="one fwd_bwd_here measurement (its JSON arguments), "
@@ -415,12 +456,16 @@ def main() -> None:
           f"time {versus['checkpoint_over_plain']['time']:.2f}, memory {versus['checkpoint_over_plain']['memory']:.2f}")
 
     long_n = 2 * args.compare_n
-    print(f"5b. sheaf at {long_n} tokens against dense fitted at {args.compare_n // 4}, {args.compare_n // 2}, "
-          f"{args.compare_n}")
+    print(f"5b. sheaf at {long_n} tokens against dense measured there"
+          f"{' (skipped: --estimate-dense-long)' if args.estimate_dense_long else ''} and fitted at "
+          f"{args.compare_n // 4}, {args.compare_n // 2}, {args.compare_n}")
     dense_times = {m: fwd_bwd("dense", m, args.repeats, memory=False)["s"] for m in (args.compare_n // 4,
                                                                                    args.compare_n // 2)}
-    versus_long = sheaf_vs_dense_fit(long_n, {**dense_times, args.compare_n: versus["dense_s"]}, args.repeats)
-    print(f"  dense (estimated) / sheaf: {versus_long['dense_over_sheaf']:.2f}x (target >= 15x at 64k)")
+    versus_long = sheaf_vs_dense_long(long_n, {**dense_times, args.compare_n: versus["dense_s"]}, args.repeats,
+                                      measure_dense=not args.estimate_dense_long)
+    print(f"  dense / sheaf: {versus_long['dense_over_sheaf']:.2f}x "
+          f"({'measured' if versus_long['dense_measured'] else 'estimated'}; the estimate's: "
+          f"{versus_long['dense_estimated_over_sheaf']:.2f}x; target >= 15x at 64k)")
 
     print("6. fused gluing vs reference (20k nodes, 19 in-edges each, d 4, f 32), forward+backward")
     gluing = fused_vs_reference(20_000, 19, 4, 32, args.repeats)
@@ -442,7 +487,7 @@ def main() -> None:
               "targets": {"slope_time_met": slopes["time"] <= 1.1, "slope_memory_met": slopes["memory"] <= 1.1,
                           "sheafconv_diag_within_2x": conv["ratio_diag"] <= 2.0,
                           "sheaf_8x_dense_at_32k": versus["dense_over_sheaf"] >= 8.0,
-                          "sheaf_15x_dense_at_64k_dense_estimated": versus_long["dense_over_sheaf"] >= 15.0,
+                          "sheaf_15x_dense_at_64k": versus_long["dense_over_sheaf"] >= 15.0,
                           "sheaf_memory_at_most_dense_at_32k": versus["sheaf_over_dense_memory"] <= 1.0,
                           # the same model trained with recompute_ssm: its memory, and its speed in the same run
                           "sheaf_recompute_ssm_memory_at_most_dense_at_32k":

@@ -33,6 +33,10 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     echo "$WANT" > "$STAMP"
 fi
 
+# On PATH for torch.utils.cpp_extension, which builds the optional C++ kernels with ninja.
+PATH="$(pwd)/$VENV/bin:$PATH"
+export PATH
+
 task=${1:-test}
 shift || true
 case "$task" in

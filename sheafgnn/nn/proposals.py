@@ -12,9 +12,11 @@ position ``p`` iff ``jB + B <= p``; random tokens sit at positions ``<= p`` of
 the same graph. Both read nothing of the future.
 
 **Cost.** Scoring the complete blocks before every one of n destinations is
-``n * n / B`` dot products of rank r (2r for the bounds), O(n^2 r / B) time,
-in chunks of rows so that memory stays O(n + chunk * n / B)
-(``benchmarks/bench_model.py`` measures it). The chosen blocks give
+``n * n / B`` dot products of rank r (2r for the bounds), O(n^2 r / B) time.
+On the CPU a C++ kernel scores and ranks a row's blocks in one pass, O(n)
+memory (:func:`~sheafgnn.nn.cpu_kernels.block_topk`); the PyTorch reference
+scores chunks of rows, O(n + chunk * n / B) memory
+(``benchmarks/bench_model.py`` measures both). The chosen blocks give
 ``num_blocks * B`` candidates per destination, O(n) in all.
 
 ::
@@ -22,7 +24,8 @@ in chunks of rows so that memory stays O(n + chunk * n / B)
     summarize_blocks, summary_query     one block's summary key and the query that scores it
     summary_width                       the width of a summary
     block_summaries                     every complete block of every graph and its summary
-    best_blocks, top_blocks             the best blocks per row, chunked; the masked top-k
+    best_blocks                         the best blocks per row (the C++ kernel, or:)
+    ranked_blocks_reference, top_blocks the same in PyTorch, chunked; the masked top-k
     content_blocks                      the proposals of a batch of destinations (the full forward)
     random_proposals                    the seeded random tokens
 """
@@ -32,12 +35,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from sheafgnn.nn import cpu_kernels
+
 # Multipliers of the position hash (odd 31-bit constants; int64 products wrap).
 _HASH_MULTIPLIERS = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F)
-# Block scores held at once (rows x blocks): 2 MiB, cache-resident for topk. The scoring is the quadratic
-# part of the step at 64k tokens; its time is the (rows x r) @ (r x blocks) products (r = 16: 16 GFLOP/s
-# at 2 threads, 40-47 at 1) and topk. An exact two-stage topk (every group of 64 columns' max, then the
-# k best groups' columns) was no faster at 2 threads on the project's 2-core box (0.86-0.94x): topk stays.
+# Block scores held at once (rows x blocks) by the PyTorch reference: 2 MiB, cache-resident for topk. Its time
+# at 64k tokens is the (rows x r) @ (r x blocks) products (r = 16: 16 GFLOP/s at 2 threads, 40-47 at 1) and
+# topk, about half each; an exact two-stage topk was no faster at 2 threads (0.86-0.94x). The C++ kernel
+# writes no scores at all (benchmarks/bench_model.py compares the two).
 _SCORE_CHUNK = 1 << 19
 BLOCK_SUMMARIES = ("mean", "bounds")
 
@@ -116,13 +121,16 @@ def block_summaries(token_key: Tensor, position: Tensor, graph_start: Tensor,
     return block_start, summarize_blocks(token_key[members], kind)  # (num_blocks, r or 2r)
 
 
+@torch.compiler.disable  # a detached, data-dependent choice (a C++ kernel or host-synced chunks): run eagerly
 @torch.no_grad()
 def best_blocks(query: Tensor, block_key: Tensor, block_start: Tensor, first: Tensor, last: Tensor,
                 num_blocks: int, random_scores: bool = False) -> Tensor:
     r"""For each query row, the ``num_blocks`` best of the blocks ``first <= j < last`` by ``<q, k_block>``.
 
-    Scores are computed in chunks of rows, so memory stays O(chunk * num_blocks);
-    the choice is detached (no gradient passes a hard top-k).
+    On the CPU the C++ kernel :func:`~sheafgnn.nn.cpu_kernels.block_topk` scores and ranks in one pass
+    (no score matrix; equal scores rank by block index); elsewhere, or without the kernel,
+    :func:`ranked_blocks_reference` does it in chunks of rows. The choice is detached (no gradient
+    passes a hard top-k).
 
     Args:
         query (Tensor): (M, r'), as :func:`summary_query` gives it.
@@ -138,10 +146,25 @@ def best_blocks(query: Tensor, block_key: Tensor, block_start: Tensor, first: Te
         (M, num_blocks) first token of each chosen block (best first), -1 where fewer blocks qualify.
     """
     M = query.size(0)
-    out = torch.full((M, num_blocks), -1, dtype=torch.long, device=query.device)
     if block_start.numel() == 0 or M == 0:
-        return out
-    rows = max(1, _SCORE_CHUNK // block_start.numel())
+        return torch.full((M, num_blocks), -1, dtype=torch.long, device=query.device)
+    kernel = cpu_kernels.block_topk() if query.device.type == "cpu" and not random_scores else None
+    if kernel is not None and query.dtype in (torch.float32, torch.float64) and query.dtype == block_key.dtype:
+        pick = kernel(query, block_key, first, last, num_blocks)  # (M, m)
+    else:
+        pick = ranked_blocks_reference(query, block_key, first, last, num_blocks, random_scores)
+    return torch.where(pick >= 0, block_start[pick.clamp(min=0)], -1)
+
+
+@torch.no_grad()
+def ranked_blocks_reference(query: Tensor, block_key: Tensor, first: Tensor, last: Tensor, num_blocks: int,
+                            random_scores: bool = False) -> Tensor:
+    """:func:`best_blocks`' ranking in PyTorch: (M, num_blocks) block indices, best first, -1 where fewer
+    qualify. Scores are computed in chunks of rows (``query @ block_key.T``, then :func:`top_blocks`), so
+    memory stays O(chunk * num_blocks); ``random_scores``: seeded noise in place of the scores."""
+    M, J = query.size(0), block_key.size(0)
+    out = torch.full((M, num_blocks), -1, dtype=torch.long, device=query.device)
+    rows = max(1, _SCORE_CHUNK // J)
     generator = torch.Generator(device=query.device).manual_seed(0) if random_scores else None
     for a in range(0, M, rows):
         b = min(M, a + rows)
@@ -152,8 +175,7 @@ def best_blocks(query: Tensor, block_key: Tensor, block_start: Tensor, first: Te
             score = torch.rand(b - a, hi - lo, generator=generator, device=query.device)
         else:
             score = query[a:b] @ block_key[lo:hi].T  # (rows, blocks)
-        pick = top_blocks(score, first[a:b], last[a:b], num_blocks, lo)  # (rows, m)
-        out[a:b] = torch.where(pick >= 0, block_start[pick.clamp(min=0)], -1)
+        out[a:b] = top_blocks(score, first[a:b], last[a:b], num_blocks, lo)  # (rows, m)
     return out
 
 

@@ -40,8 +40,9 @@ candidates' states, and the softmax runs over v's own pool.
 **Cost.** Rule and random candidates cost O(n) scores. Content proposals
 (:mod:`sheafgnn.nn.proposals`) score, for every output, the complete blocks
 before it: ``n * n / B`` dot products of rank ``r`` (``2r`` for the bounds),
-that is O(n^2 r / B) time, computed in chunks of rows so that memory stays
-O(n + chunk * n / B); at B = 16, r = 16 this is the same number of
+that is O(n^2 r / B) time, scored and ranked in one pass by a C++ kernel on
+the CPU (O(n) memory) or in chunks of rows in PyTorch (O(n + chunk * n / B)
+memory); at B = 16, r = 16 this is the same number of
 multiply-adds as an (n x n) attention score matrix of width 1, and it is
 measured in ``benchmarks/bench_model.py``. The chosen
 blocks and the own block give ``(content_blocks + 1) * B`` token candidates per output, O(n).

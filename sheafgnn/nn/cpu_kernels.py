@@ -1,0 +1,65 @@
+"""Optional C++ kernels for the CPU, compiled on first use; every caller keeps a pure-PyTorch path.
+
+::
+
+    block_topk(query (M, r), keys (J, r), first (M,), last (M,), k) -> (M, k)   csrc/block_topk.cpp
+        the k best blocks of every row by <query, key> in [first, last), best first, -1: fewer qualify
+
+The sources are compiled by :func:`torch.utils.cpp_extension.load` (ninja and a C++ compiler: about 30 s
+once, then cached under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``) with
+``-march=native``, so the build directory is named for this CPU's instruction set. Where the build fails
+(no compiler or ninja) a warning says why and the callers run their PyTorch path; set
+``SHEAFGNN_CPU_KERNELS=0`` to use those paths always (tests compare the two).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import warnings
+from pathlib import Path
+
+_SOURCES = Path(__file__).parent / "csrc"
+
+
+def enabled() -> bool:
+    """Whether the kernels may be used (``SHEAFGNN_CPU_KERNELS`` is not ``0``)."""
+    return os.environ.get("SHEAFGNN_CPU_KERNELS", "1") != "0"
+
+
+def _cpu_tag() -> str:
+    """A short name for this CPU's instruction set: kernels built with ``-march=native`` on one CPU may not
+    run on another, so each gets its own build directory."""
+    flags = platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags += line
+                break
+    except OSError:
+        pass
+    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+
+
+@functools.cache
+def _load(name: str):
+    from torch.utils.cpp_extension import load
+
+    try:
+        return load(name=f"sheafgnn_{name}_{_cpu_tag()}", sources=[str(_SOURCES / f"{name}.cpp")],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as err:  # no compiler, no ninja, a failed build: the PyTorch path is used instead
+        warnings.warn(f"sheafgnn: the C++ kernel {name!r} could not be built ({type(err).__name__}: "
+                      f"{str(err).strip().splitlines()[-1] if str(err).strip() else ''}); using the PyTorch path. "
+                      "Set SHEAFGNN_CPU_KERNELS=0 to skip the build.", RuntimeWarning, stacklevel=3)
+        return None
+
+
+def block_topk():
+    """The ``block_topk`` kernel (see the module docstring), or None: disabled or not buildable."""
+    if not enabled():
+        return None
+    module = _load("block_topk")
+    return None if module is None else module.block_topk
