@@ -239,8 +239,9 @@ def sheaf_vs_dense_long(n: int, dense_times: dict[int, float], repeats: int, mea
     2.5 minutes here, so the warm-up and ``repeats`` steps take about 10), and against dense *estimated* at
     ``n`` from :math:`t = a n^2 + b n` fitted (least squares) to its measured times at smaller sizes
     (``dense_times``: n -> seconds, this run's). The target reads the measured time where there is one (the
-    issue allows the estimate only where measuring exceeds the time cap). At 64k the fit fell 9% short of the
-    measured step (133 against 146 s, the fit from 8k / 16k / 32k of the same session)."""
+    issue allows the estimate only where measuring exceeds the time cap). At 64k the fit missed the measured
+    step by up to 10% either way: 133 against 146 s in a scratch run, 148 against 141 and 142 against 137 s
+    in two runs of this benchmark."""
     sizes = sorted(dense_times)
     design = torch.tensor([[m * m, m] for m in sizes], dtype=torch.float64)  # (S, 2)
     seconds = torch.tensor([dense_times[m] for m in sizes], dtype=torch.float64).unsqueeze(1)  # (S, 1)
