@@ -5,7 +5,7 @@
     block_topk(query (M, r), keys (J, r), first (M,), last (M,), k) -> (M, k)   csrc/block_topk.cpp
         the k best blocks of every row by <query, key> in [first, last), best first, -1: fewer qualify
 
-The sources are compiled by :func:`torch.utils.cpp_extension.load` (ninja and a C++ compiler: about 30 s
+The sources are compiled by :func:`torch.utils.cpp_extension.load` (ninja and a C++ compiler: about 40 s
 once, then cached under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``) with
 ``-march=native``, so the build directory is named for this CPU's instruction set. Where the build fails
 (no compiler or ninja) a warning says why and the callers run their PyTorch path; set
