@@ -54,7 +54,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import math
@@ -65,6 +64,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch_geometric.loader import DataLoader
@@ -139,7 +139,7 @@ def proposal_cost(sizes: list[int], config: SheafStateConfig, repeats: int) -> l
 
         row = {"n": n, "kernel": cpu_kernels.block_topk() is not None, "content_proposals_s": best_of(run, repeats)}
         chosen = run()
-        with reference_path():
+        with mock.patch.dict(os.environ, {"SHEAFGNN_CPU_KERNELS": "0"}):  # the PyTorch path
             row["reference_s"] = best_of(run, repeats)
             row["same_blocks"] = bool(torch.equal(chosen, run()))
         row["reference_over_kernel"] = row["reference_s"] / row["content_proposals_s"]
@@ -147,20 +147,6 @@ def proposal_cost(sizes: list[int], config: SheafStateConfig, repeats: int) -> l
         print(f"  content proposals n={n:>6}: {row['content_proposals_s']:8.3f} s (kernel: {row['kernel']}); "
               f"PyTorch reference {row['reference_s']:8.3f} s, the same blocks: {row['same_blocks']}", flush=True)
     return rows
-
-
-@contextlib.contextmanager
-def reference_path():
-    """Run the PyTorch paths instead of the C++ kernels (SHEAFGNN_CPU_KERNELS=0) inside the block."""
-    before = os.environ.get("SHEAFGNN_CPU_KERNELS")
-    os.environ["SHEAFGNN_CPU_KERNELS"] = "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["SHEAFGNN_CPU_KERNELS"]
-        else:
-            os.environ["SHEAFGNN_CPU_KERNELS"] = before
 
 
 @functools.cache
