@@ -45,7 +45,6 @@ import torch
 from torch import Tensor
 
 from sheafgnn.generation import TokenStream
-from sheafgnn.nn.pools import pool_dot
 from sheafgnn.nn.proposals import best_blocks, summarize_blocks, summary_query, summary_width, top_blocks
 from sheafgnn.nn.segment import sort_by_destination
 from sheafgnn.nn.ssm import SSMState
@@ -414,10 +413,8 @@ def select_streamed(topology: LearnedTopology, h: Tensor, delta: StreamDelta,
         block_query = topology.block_query(h[out0:]) if topology.block_scorer else q_out
         far, far_types = _content_proposals(topology, block_query, delta, cache)
         sources, types = torch.cat([far, sources], 1), torch.cat([far_types, types], 1)
-    valid = sources >= 0
-    score = topology._score(pool_dot(q_out, cache.key.data, sources.clamp(min=0)), types)  # (M, P)
     sink = topology.sink[delta.node_type[out0:]].unsqueeze(1)  # (M, 1)
-    top, pick, weight = topology.compete_dense(score.masked_fill(~valid, float("-inf")), sink)
+    top, pick, weight = topology.compete_pools(q_out, cache.key.data, sources, types, sink)
     # Every output's k columns, the padding of a short pool too: its weight is 0 and its source a real row
     # (clamped), so its message and its share of L_vv are exact zeros (filtering them cost 9 ops a block).
     out_dst = torch.arange(out0, out0 + q_out.size(0), device=q.device).repeat_interleave(top.size(1))

@@ -3,7 +3,12 @@ import pytest
 import torch
 
 from sheafgnn.nn import cpu_kernels
+from sheafgnn.nn.experts import KERNEL_MAX_ROWS, FeedForward, feed_forward_reference
 from sheafgnn.nn.proposals import best_blocks, content_blocks, ranked_blocks_reference
+from sheafgnn.nn.segment import sort_by_destination
+from sheafgnn.nn.sheaf import SheafConv
+from sheafgnn.nn.ssm import SelectiveSSM, SSMState
+from sheafgnn.nn.topology import LearnedTopology
 
 block_topk = cpu_kernels.block_topk()
 needs_kernel = pytest.mark.skipif(block_topk is None, reason="the block_topk kernel is disabled or could not be built")
@@ -75,3 +80,164 @@ def test_best_blocks_without_the_kernel(monkeypatch):
     keys = torch.tensor([[1.0], [3.0], [2.0]])
     out = best_blocks(torch.ones(2, 1), keys, block_start, torch.tensor([0, 0]), torch.tensor([3, 1]), 2)
     assert out.tolist() == [[4, 8], [0, -1]]
+
+
+# ---------------------------------------------------------------------- #
+# the generation step's kernels (csrc/step_kernels.cpp)
+# ---------------------------------------------------------------------- #
+step_kernels = cpu_kernels.ssm_step() is not None
+needs_step_kernels = pytest.mark.skipif(not step_kernels, reason="the step kernels are disabled or could not be built")
+
+
+def _random_(module: torch.nn.Module, g: torch.Generator) -> torch.nn.Module:
+    """Every parameter drawn at random (no zero biases, no unit norm weights: the kernels must read them all)."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.5)
+    return module
+
+
+@needs_step_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("batch, d_conv, headdim", [(1, 4, 48), (5, 2, 16), (19, 1, 8)])
+def test_ssm_step_equals_the_reference(dtype, batch, d_conv, headdim):
+    """SelectiveSSM.step through the kernel equals step_reference (random weights and states, chains in
+    parallel, every conv width): outputs and both new states; the old states are left as they were."""
+    g = torch.Generator().manual_seed(batch)
+    ssm = _random_(SelectiveSSM(24, d_state=6, headdim=headdim, d_conv=d_conv), g).to(dtype)
+    x = torch.randn(batch, 24, generator=g, dtype=dtype)
+    state = SSMState(*(torch.randn(t.shape, generator=g, dtype=dtype) for t in ssm.init_state(batch, dtype=dtype)))
+    before = SSMState(state.conv.clone(), state.ssm.clone())
+    with torch.no_grad():
+        assert ssm._step_kernel(x) is not None
+        y, new = ssm.step(x, state)
+        y_ref, new_ref = ssm.step_reference(x, state)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(y, y_ref, **tol)
+    torch.testing.assert_close(new.conv, new_ref.conv, **tol)
+    torch.testing.assert_close(new.ssm, new_ref.ssm, **tol)
+    assert torch.equal(state.conv, before.conv) and torch.equal(state.ssm, before.ssm)
+
+
+def test_ssm_step_takes_the_reference_with_gradients_or_the_kernel_off(monkeypatch):
+    """Gradients (training), another dtype than the weights, or SHEAFGNN_CPU_KERNELS=0: the PyTorch step."""
+    ssm = SelectiveSSM(16, d_state=4, headdim=8)
+    x = torch.randn(2, 16)
+    assert ssm._step_kernel(x) is None  # gradients on
+    with torch.no_grad():
+        assert ssm._step_kernel(x.double()) is None
+        monkeypatch.setenv("SHEAFGNN_CPU_KERNELS", "0")
+        assert ssm._step_kernel(x) is None
+        y, _ = ssm.step(x, ssm.init_state(2))
+        assert torch.equal(y, ssm.step_reference(x, ssm.init_state(2))[0])
+
+
+@needs_step_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rows", [1, 3, KERNEL_MAX_ROWS])
+@pytest.mark.parametrize("normed", [True, False])
+def test_feed_forward_kernel_equals_the_reference(dtype, rows, normed):
+    """FeedForward in inference on a step's few rows (the kernel) equals feed_forward_reference."""
+    g = torch.Generator().manual_seed(rows)
+    ffn = _random_(FeedForward(20, 36), g).to(dtype)
+    norm = _random_(torch.nn.LayerNorm(20), g).to(dtype) if normed else None
+    x = torch.randn(rows, 20, generator=g, dtype=dtype) * 3
+    with torch.no_grad():
+        assert ffn._kernel(x) is not None
+        out = ffn(x, norm)
+    norm_args = (norm.weight, norm.bias, norm.eps) if normed else ()
+    ref = feed_forward_reference(x, ffn.fc.weight, ffn.fc.bias, ffn.proj.weight, ffn.proj.bias, *norm_args)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out, ref, **tol)
+
+
+def test_feed_forward_kernel_only_on_few_rows_without_gradients():
+    ffn = FeedForward(8, 16)
+    assert ffn._kernel(torch.randn(2, 8)) is None  # gradients on: the lean autograd function
+    with torch.no_grad():
+        assert ffn._kernel(torch.randn(KERNEL_MAX_ROWS + 1, 8)) is None  # many rows: MKL's matmuls
+        assert ffn._kernel(torch.randn(2, 8, dtype=torch.float64)) is None  # not the weights' dtype
+
+
+def _pools(g: torch.Generator, M: int, P: int, R: int, r: int, num_types: int):
+    """Pools with padding (-1), duplicated sources (equal scores) and rows of padding only."""
+    sources = torch.randint(-1, R, (M, P), generator=g)
+    sources[:, : P // 3] = sources[:, P // 3 : 2 * (P // 3)]  # duplicates: ties broken by column
+    if M > 2:
+        sources[2] = -1  # nothing to choose
+    types = torch.randint(0, num_types, (M, P), generator=g)
+    return torch.randn(M, r, generator=g), torch.randn(R, r, generator=g), sources, types
+
+
+@needs_step_kernels
+@pytest.mark.parametrize("M, P, k", [(1, 55, 8), (6, 5, 8), (9, 40, 3)])
+@pytest.mark.parametrize("sink_threshold", [False, True])
+def test_compete_pools_kernel_equals_the_reference(monkeypatch, M, P, k, sink_threshold):
+    """LearnedTopology.compete_pools: the kernel keeps the columns the sort keeps (ties by column, padding
+    last), with the same scores and weights; pools narrower than k and pools of padding only included."""
+    g = torch.Generator().manual_seed(M * P)
+    topology = _random_(LearnedTopology(16, 6, 3, k, rank=8, sink_threshold=sink_threshold), g).eval()
+    query, keys, sources, types = _pools(g, M, P, 30, 8, 6)
+    sink = topology.sink[torch.randint(0, 3, (M,), generator=g)].unsqueeze(1)
+    with torch.no_grad():
+        top, pick, weight = topology.compete_pools(query, keys, sources, types, sink)
+        monkeypatch.setenv("SHEAFGNN_CPU_KERNELS", "0")
+        top_ref, pick_ref, weight_ref = topology.compete_pools(query, keys, sources, types, sink)
+    assert pick.shape == (M, min(k, P)) and torch.equal(pick, pick_ref)
+    torch.testing.assert_close(top, top_ref)
+    torch.testing.assert_close(weight, weight_ref)
+
+
+@needs_step_kernels
+def test_step_kernels_check_their_input():
+    pool_compete = cpu_kernels.pool_compete()
+    query, keys = torch.randn(2, 4), torch.randn(5, 4)
+    types, sink = torch.zeros(2, 3, dtype=torch.long), torch.zeros(2)
+    with pytest.raises(RuntimeError, match="past the 5 key rows"):
+        pool_compete(query, keys, torch.full((2, 3), 5), types, torch.zeros(1), sink, 2, 2.0)
+    with pytest.raises(RuntimeError, match="expected query"):
+        pool_compete(query, keys, torch.zeros(3, 3, dtype=torch.long), types, torch.zeros(1), sink, 2, 2.0)
+    with pytest.raises(RuntimeError, match="dtype of x"):
+        cpu_kernels.feed_forward()(torch.randn(1, 4), torch.empty(0), torch.empty(0), 0.0, torch.randn(6, 4).double(),
+                                   torch.randn(6), torch.randn(4, 6), torch.randn(4))
+    with pytest.raises(RuntimeError, match="one entry per row"):
+        ssm = SelectiveSSM(8, d_state=2, headdim=4)
+        state = ssm.init_state(3)
+        cpu_kernels.ssm_step()(torch.randn(2, 8), state.conv, state.ssm, ssm.in_proj.weight, ssm.conv_weight,
+                               ssm.conv_bias, ssm.dt_bias, ssm.A_log, ssm.D, ssm.norm.weight, 1e-6,
+                               ssm.out_proj.weight)
+
+
+@needs_step_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("N, E", [(3, 8), (40, 200), (5, 0)])
+def test_glue_diag_equals_sheafconv(monkeypatch, dtype, N, E):
+    """SheafConv in inference with the model's configuration (diag maps, normalize "none", ELU, sorted typed
+    weighted edges with their ptr): the kernel equals the PyTorch layer, nodes without in-edges included."""
+    g = torch.Generator().manual_seed(N + E)
+    conv = _random_(SheafConv(24, 4, map_kind="diag", num_edge_types=5, normalize="none"), g).to(dtype)
+    x = torch.randn(N, 24, generator=g, dtype=dtype)
+    edge_index = torch.randint(0, N, (2, E), generator=g)
+    edge_index, perm, ptr = sort_by_destination(edge_index, torch.arange(E), num_nodes=N)
+    edge_type, weight = torch.randint(0, 5, (E,), generator=g), torch.rand(E, generator=g, dtype=dtype)
+    with torch.no_grad():
+        assert conv._kernel(x, edge_index, edge_type, weight, ptr) is not None
+        out = conv(x, edge_index, edge_type, weight, ptr=ptr)
+        monkeypatch.setenv("SHEAFGNN_CPU_KERNELS", "0")
+        ref = conv(x, edge_index, edge_type, weight, ptr=ptr)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out, ref, **tol)
+
+
+def test_glue_diag_only_for_the_configuration_it_computes():
+    x, edge_index = torch.randn(4, 8), torch.tensor([[0, 1], [2, 3]])
+    args = (x, edge_index, torch.zeros(2, dtype=torch.long), torch.ones(2), torch.tensor([0, 0, 0, 1, 2]))
+    with torch.no_grad():
+        for conv in (SheafConv(8, 2, map_kind="general"), SheafConv(8, 2, normalize="in_degree"),
+                     SheafConv(8, 2, stalk_mixing=True), SheafConv(8, 2, act="relu"),
+                     SheafConv(8, 2, map_hidden_channels=4)):
+            assert conv._kernel(*args) is None
+        conv = SheafConv(8, 2, normalize="none")
+        assert conv._kernel(x, edge_index, None, *args[3:]) is None  # untyped edges
+        assert conv._kernel(*args[:4], None) is None  # not sorted by the caller
+    assert conv._kernel(*args) is None  # gradients on

@@ -4,6 +4,14 @@
 
     block_topk(query (M, r), keys (J, r), first (M,), last (M,), k) -> (M, k)   csrc/block_topk.cpp
         the k best blocks of every row by <query, key> in [first, last), best first, -1: fewer qualify
+    ssm_step(x (b, D), conv, ssm, *SelectiveSSM parameters) -> (y, conv', ssm')   csrc/step_kernels.cpp
+        one step of every chain's selective SSM recurrence (SelectiveSSM.step)
+    feed_forward(x (n, C), norm_weight, norm_bias, eps, fc_weight, fc_bias, proj_weight, proj_bias) -> (n, C)
+        proj(gelu(fc(layer_norm(x)))) on the few rows of a generation step (FeedForward)
+    pool_compete(query (M, r), keys (R, r), sources (M, P), types, type_bias, sink (M,), k, root) -> top, pick, weight
+        score dense candidate pools and keep the k best of each (LearnedTopology.compete_pools)
+    glue_diag(x (N, D), src, ptr, edge_type, edge_weight, map_lin, map_type_emb, weight_channel, eps) -> (N, D)
+        SheafConv with diag maps in inference, edges sorted by destination (SheafConv.forward)
 
 The sources are compiled by :func:`torch.utils.cpp_extension.load` (ninja and a C++ compiler: about 40 s
 once, then cached under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``) with
@@ -57,9 +65,33 @@ def _load(name: str):
         return None
 
 
-def block_topk():
-    """The ``block_topk`` kernel (see the module docstring), or None: disabled or not buildable."""
+def _kernel(source: str, name: str):
     if not enabled():
         return None
-    module = _load("block_topk")
-    return None if module is None else module.block_topk
+    module = _load(source)
+    return None if module is None else getattr(module, name)
+
+
+def block_topk():
+    """The ``block_topk`` kernel (see the module docstring), or None: disabled or not buildable."""
+    return _kernel("block_topk", "block_topk")
+
+
+def ssm_step():
+    """The ``ssm_step`` kernel (see the module docstring), or None: disabled or not buildable."""
+    return _kernel("step_kernels", "ssm_step")
+
+
+def feed_forward():
+    """The ``feed_forward`` kernel (see the module docstring), or None: disabled or not buildable."""
+    return _kernel("step_kernels", "feed_forward")
+
+
+def glue_diag():
+    """The ``glue_diag`` kernel (see the module docstring), or None: disabled or not buildable."""
+    return _kernel("step_kernels", "glue_diag")
+
+
+def pool_compete():
+    """The ``pool_compete`` kernel (see the module docstring), or None: disabled or not buildable."""
+    return _kernel("step_kernels", "pool_compete")

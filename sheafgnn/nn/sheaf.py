@@ -38,6 +38,7 @@ from torch_geometric.nn.resolver import activation_resolver
 from torch_geometric.typing import OptTensor, SparseTensor
 from torch_geometric.utils import is_torch_sparse_tensor
 
+from sheafgnn.nn import cpu_kernels
 from sheafgnn.nn.gluing import reads_by_stalk_dim, transport_sum
 from sheafgnn.nn.gluing import restrict as _restrict
 from sheafgnn.nn.gluing import weigh as _weigh
@@ -389,6 +390,10 @@ class SheafConv(MessagePassing):
                 sort. Not checked. (default: :obj:`None`)
         """
         self._check_x(x)
+        kernel = None if return_energy else self._kernel(x, edge_index, edge_type, edge_weight, ptr)
+        if kernel is not None:
+            return kernel(x, edge_index[0], ptr, edge_type, edge_weight, self.map_lin.weight,
+                          self.map_type_emb.weight, self.weight_channel, self.eps)
         N = x.size(0)
         d, f = self.stalk_dim, self.channels
         edges = self._sorted_edges(x, edge_index, edge_type, edge_weight, ptr)
@@ -412,9 +417,8 @@ class SheafConv(MessagePassing):
         if fused:  # saves no per-edge stalk for backward
             aggr = transport_sum(Y, src, edges.ptr, transport, edges.weight)
         else:  # per-edge messages for hooks and explainers
-            aggr = self.propagate(
-                edges.index, y=Y, transport=transport, alpha=edges.weight,
-                dst_ptr=edges.ptr, msg_perm=edges.msg_perm, size=(N, N))
+            aggr = self.propagate(edges.index, y=Y, transport=transport, alpha=edges.weight,
+                                  dst_ptr=edges.ptr, msg_perm=edges.msg_perm, size=(N, N))
         # In place where autograd allows: each (N, d, f) temporary that does not fit a hole of the heap
         # extends it, and with two layers they were a tenth of the peak resident set at 32k tokens.
         lap = _restrict(diag_block, Y).sub_(aggr)  # (N, d, f): the product's backward reads its inputs only
@@ -426,6 +430,17 @@ class SheafConv(MessagePassing):
         if not return_energy:
             return out
         return out, self._energy(X, maps_src, maps_dst, edges)
+
+    def _kernel(self, x: Tensor, edge_index, edge_type: OptTensor, edge_weight: OptTensor, ptr: OptTensor):
+        r"""The C++ kernel ``glue_diag`` (:mod:`sheafgnn.nn.cpu_kernels`: a generation step's gluing in one
+        call, not ~40 ops) where it computes what :meth:`forward` does, else None: inference on the CPU, sorted
+        typed weighted edges with their :obj:`ptr`, plain diag maps, no stalk mixing, no normalisation, ELU."""
+        inputs = not torch.is_grad_enabled() and isinstance(edge_index, Tensor) and not edge_index.is_sparse and \
+            None not in (ptr, edge_type, edge_weight) and x.device.type == "cpu" and x.dtype == self.eps.dtype
+        layer = self.map_kind == "diag" and self.map_out is None and self.weight_stalk is None and \
+            self.normalize == "none" and type(self.act) is nn.ELU and self.act.alpha == 1.0 and \
+            type(self.map_lin) is nn.Linear and type(self.map_type_emb) is nn.Embedding and self._fused()
+        return cpu_kernels.glue_diag() if inputs and layer and x.dtype in (torch.float32, torch.float64) else None
 
     def _fused(self) -> bool:
         r"""Whether :meth:`forward` may skip :meth:`propagate` for the fused

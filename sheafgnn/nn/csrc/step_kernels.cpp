@@ -1,0 +1,351 @@
+// The few-row work of a generation step, one call each: a step of every chain's SSM recurrence, and a
+// (normed) feed-forward block. A step runs one row per stream, and in PyTorch each of these is 10-25 ops whose
+// launches cost more than their arithmetic (a few microseconds each on a CPU, batch 1).
+//
+// ssm_step(x (b, D), conv (b, K-1, C), ssm (b, H, P, N), in_proj (Z, D), conv_weight (C, K), conv_bias (C),
+//          dt_bias (H), A_log (H), D (H), norm_weight (I), eps, out_proj (D, I)) -> (y (b, D), conv', ssm')
+//     SelectiveSSM.step: Z = I + C + H, C = I + 2N, I = H * P. The states are not modified: new ones are returned.
+// feed_forward(x (n, C), norm_weight, norm_bias (C) or empty, eps, fc_weight (F, C), fc_bias (F),
+//              proj_weight (C, F), proj_bias (C)) -> (n, C)
+//     proj(gelu(fc(layer_norm(x)))), the exact (erf) GELU; no norm where norm_weight is empty.
+// pool_compete(query (M, r), keys (R, r), sources (M, P), types (M, P), type_bias (T,), sink (M,), k, root)
+//     -> (top (M, k'), pick (M, k'), weight (M, k')), k' = min(k, P)
+//     LearnedTopology's dense competition: score s_mp = <query_m, keys[sources_mp]> / root + type_bias[types_mp]
+//     (-inf where sources_mp < 0), the k' best columns of each row in the order of a stable descending sort
+//     (equal scores: the lower column first), and their weights softmax([top_m, sink_m]) without the sink's.
+//
+// glue_diag(x (N, d * f), src (E,), ptr (N + 1,), edge_type (E,), edge_weight (E,), map_lin (2d, d * f),
+//           map_type_emb (T, d), weight_channel (f, f), eps (d,)) -> (N, d * f)
+//     SheafConv with diag maps, no map hidden layer, no stalk mixing, normalize "none" and ELU, for edges sorted
+//     by destination (CSR ptr): per destination v, lap_v = sum_e alpha_e F_v (F_v Y_v - F_u Y_u) with
+//     F = tanh(map_lin halves + type embedding), Y = X W1, and out_v = (1 + tanh eps) X_v - ELU(lap_v).
+//
+// Rows run in parallel (at::parallel_for, 8 rows a task: a batch-1 step stays on its thread). Products are
+// dot products over contiguous weight rows, 2 x 64 bytes of lanes at a time, so sums are in another order
+// than MKL's (float rounding).
+// Pure-PyTorch references: SelectiveSSM.step_reference and feed_forward_reference.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGrain = 8;  // rows per parallel task
+
+template <typename T>
+inline T dot(const T* a, const T* b, int64_t n) {
+  typedef T V __attribute__((vector_size(64)));  // GCC/Clang vector extension: one AVX-512 register
+  constexpr int64_t L = 64 / sizeof(T);
+  V acc0{}, acc1{};
+  int64_t i = 0;
+  for (; i + 2 * L <= n; i += 2 * L) {
+    V a0, a1, b0, b1;
+    std::memcpy(&a0, a + i, sizeof(V));
+    std::memcpy(&a1, a + i + L, sizeof(V));
+    std::memcpy(&b0, b + i, sizeof(V));
+    std::memcpy(&b1, b + i + L, sizeof(V));
+    acc0 += a0 * b0;
+    acc1 += a1 * b1;
+  }
+  acc0 += acc1;
+  T s = 0;
+  for (int64_t l = 0; l < L; ++l) s += acc0[l];
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// out[o] = <weight[o], x> (+ bias[o]) for o < rows: weight (rows, n) row-major.
+template <typename T>
+inline void linear(const T* x, const T* weight, const T* bias, T* out, int64_t rows, int64_t n) {
+  for (int64_t o = 0; o < rows; ++o) out[o] = dot(weight + o * n, x, n) + (bias ? bias[o] : T(0));
+}
+
+template <typename T>
+inline T silu(T v) { return v / (T(1) + std::exp(-v)); }
+
+template <typename T>
+inline T softplus(T v) { return v > T(20) ? v : std::log1p(std::exp(v)); }  // F.softplus, threshold 20
+
+void check_cpu(const std::vector<torch::Tensor>& tensors, torch::ScalarType dtype, const char* name) {
+  for (const auto& t : tensors) {
+    TORCH_CHECK(t.device().is_cpu(), name, ": CPU tensors only");
+    TORCH_CHECK(t.scalar_type() == dtype, name, ": every tensor needs the dtype of x (", dtype, "), got ",
+                t.scalar_type());
+  }
+}
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> ssm_step(
+    torch::Tensor x, torch::Tensor conv, torch::Tensor ssm, torch::Tensor in_proj, torch::Tensor conv_weight,
+    torch::Tensor conv_bias, torch::Tensor dt_bias, torch::Tensor A_log, torch::Tensor D, torch::Tensor norm_weight,
+    double eps, torch::Tensor out_proj) {
+  TORCH_CHECK(x.dim() == 2 && conv.dim() == 3 && ssm.dim() == 4, "ssm_step: expected x (b, D), conv (b, K-1, C) "
+              "and ssm (b, H, P, N), got ", x.sizes(), ", ", conv.sizes(), " and ", ssm.sizes());
+  const int64_t b = x.size(0), Dm = x.size(1), H = ssm.size(1), P = ssm.size(2), N = ssm.size(3);
+  const int64_t I = H * P, C = I + 2 * N, K = conv.size(1) + 1, Z = I + C + H;
+  TORCH_CHECK(conv.size(0) == b && ssm.size(0) == b && conv.size(2) == C, "ssm_step: the states need one entry "
+              "per row of x and conv (b, K-1, I + 2N), got ", conv.sizes(), " and ", ssm.sizes());
+  TORCH_CHECK(in_proj.sizes() == torch::IntArrayRef({Z, Dm}) && conv_weight.sizes() == torch::IntArrayRef({C, K}) &&
+              conv_bias.numel() == C && dt_bias.numel() == H && A_log.numel() == H && D.numel() == H &&
+              norm_weight.numel() == I && out_proj.sizes() == torch::IntArrayRef({Dm, I}),
+              "ssm_step: parameter shapes do not match the states");
+  check_cpu({x, conv, ssm, in_proj, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, out_proj},
+            x.scalar_type(), "ssm_step");
+  std::vector<torch::Tensor> args{x, conv, ssm, in_proj, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight,
+                                  out_proj};
+  for (auto& t : args) t = t.contiguous();
+  auto y = torch::empty({b, Dm}, x.options());
+  auto conv_new = torch::empty_like(args[1]);
+  auto ssm_new = torch::empty_like(args[2]);
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "ssm_step", [&] {
+    using T = scalar_t;
+    const T *xp = args[0].data_ptr<T>(), *cp = args[1].data_ptr<T>(), *sp = args[2].data_ptr<T>();
+    const T *w_in = args[3].data_ptr<T>(), *cw = args[4].data_ptr<T>(), *cb = args[5].data_ptr<T>();
+    const T *dtb = args[6].data_ptr<T>(), *alog = args[7].data_ptr<T>(), *dskip = args[8].data_ptr<T>();
+    const T *nw = args[9].data_ptr<T>(), *w_out = args[10].data_ptr<T>();
+    T *yp = y.data_ptr<T>(), *cp_new = conv_new.data_ptr<T>(), *sp_new = ssm_new.data_ptr<T>();
+    at::parallel_for(0, b, kGrain, [&](int64_t r0, int64_t r1) {
+      std::vector<T> zxbcdt(Z), xbc(C), g(I);
+      for (int64_t r = r0; r < r1; ++r) {
+        linear(xp + r * Dm, w_in, static_cast<const T*>(nullptr), zxbcdt.data(), Z, Dm);
+        const T* z = zxbcdt.data();
+        const T* fresh = z + I;  // this step's conv input (C,)
+        const T* dt_raw = fresh + C;
+        const T* window = cp + r * (K - 1) * C;  // (K-1, C), oldest first
+        for (int64_t c = 0; c < C; ++c) {  // the causal depthwise conv over [window, fresh], then SiLU
+          T acc = 0;
+          for (int64_t k = 0; k < K - 1; ++k) acc += window[k * C + c] * cw[c * K + k];
+          xbc[c] = silu(acc + fresh[c] * cw[c * K + K - 1] + cb[c]);
+        }
+        T* shifted = cp_new + r * (K - 1) * C;  // the window moves on by one row
+        if (K > 2) std::memcpy(shifted, window + C, (K - 2) * C * sizeof(T));
+        if (K > 1) std::memcpy(shifted + (K - 2) * C, fresh, C * sizeof(T));
+        const T *xs = xbc.data(), *Bv = xs + I, *Cv = Bv + N;
+        for (int64_t h = 0; h < H; ++h) {
+          const T dt = softplus(dt_raw[h] + dtb[h]);
+          const T decay = std::exp(dt * -std::exp(alog[h]));
+          for (int64_t p = 0; p < P; ++p) {
+            const int64_t hp = h * P + p;
+            const T u = dt * xs[hp];
+            const T* old = sp + (r * I + hp) * N;
+            T* state = sp_new + (r * I + hp) * N;
+            T out = 0;
+            for (int64_t n = 0; n < N; ++n) {
+              state[n] = decay * old[n] + u * Bv[n];
+              out += state[n] * Cv[n];
+            }
+            g[hp] = (out + xs[hp] * dskip[h]) * silu(z[hp]);  // y + D x, gated by SiLU(z)
+          }
+        }
+        T mean_square = 0;
+        for (int64_t i = 0; i < I; ++i) mean_square += g[i] * g[i];
+        const T rstd = T(1) / std::sqrt(mean_square / I + T(eps));
+        for (int64_t i = 0; i < I; ++i) g[i] *= rstd * nw[i];
+        linear(g.data(), w_out, static_cast<const T*>(nullptr), yp + r * Dm, Dm, I);
+      }
+    });
+  });
+  return {y, conv_new, ssm_new};
+}
+
+torch::Tensor feed_forward(torch::Tensor x, torch::Tensor norm_weight, torch::Tensor norm_bias, double eps,
+                           torch::Tensor fc_weight, torch::Tensor fc_bias, torch::Tensor proj_weight,
+                           torch::Tensor proj_bias) {
+  TORCH_CHECK(x.dim() == 2, "feed_forward: expected x (n, C), got ", x.sizes());
+  const int64_t n = x.size(0), C = x.size(1), F = fc_weight.size(0);
+  const bool normed = norm_weight.numel() > 0;
+  TORCH_CHECK(fc_weight.sizes() == torch::IntArrayRef({F, C}) && fc_bias.numel() == F &&
+              proj_weight.sizes() == torch::IntArrayRef({C, F}) && proj_bias.numel() == C &&
+              (!normed || (norm_weight.numel() == C && norm_bias.numel() == C)),
+              "feed_forward: parameter shapes do not match x (n, ", C, ")");
+  std::vector<torch::Tensor> args{x, fc_weight, fc_bias, proj_weight, proj_bias};
+  if (normed) {
+    args.push_back(norm_weight);
+    args.push_back(norm_bias);
+  }
+  check_cpu(args, x.scalar_type(), "feed_forward");
+  for (auto& t : args) t = t.contiguous();
+  auto out = torch::empty({n, C}, x.options());
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "feed_forward", [&] {
+    using T = scalar_t;
+    const T *xp = args[0].data_ptr<T>(), *fw = args[1].data_ptr<T>(), *fb = args[2].data_ptr<T>();
+    const T *pw = args[3].data_ptr<T>(), *pb = args[4].data_ptr<T>();
+    const T* nw = normed ? args[5].data_ptr<T>() : nullptr;
+    const T* nb = normed ? args[6].data_ptr<T>() : nullptr;
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, n, kGrain, [&](int64_t r0, int64_t r1) {
+      std::vector<T> xn(C), u(F);
+      for (int64_t r = r0; r < r1; ++r) {
+        const T* row = xp + r * C;
+        if (normed) {  // F.layer_norm: biased variance
+          T mean = 0, var = 0;
+          for (int64_t c = 0; c < C; ++c) mean += row[c];
+          mean /= C;
+          for (int64_t c = 0; c < C; ++c) var += (row[c] - mean) * (row[c] - mean);
+          const T rstd = T(1) / std::sqrt(var / C + T(eps));
+          for (int64_t c = 0; c < C; ++c) xn[c] = (row[c] - mean) * rstd * nw[c] + nb[c];
+          row = xn.data();
+        }
+        linear(row, fw, fb, u.data(), F, C);
+        for (int64_t f = 0; f < F; ++f) u[f] = T(0.5) * u[f] * (T(1) + std::erf(u[f] * T(M_SQRT1_2)));
+        linear(u.data(), pw, pb, op + r * C, C, F);
+      }
+    });
+  });
+  return out;
+}
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> pool_compete(
+    torch::Tensor query, torch::Tensor keys, torch::Tensor sources, torch::Tensor types, torch::Tensor type_bias,
+    torch::Tensor sink, int64_t k, double root) {
+  TORCH_CHECK(query.dim() == 2 && keys.dim() == 2 && query.size(1) == keys.size(1) && sources.dim() == 2 &&
+              sources.size(0) == query.size(0) && types.sizes() == sources.sizes() && sink.numel() == query.size(0),
+              "pool_compete: expected query (M, r), keys (R, r), sources and types (M, P), sink (M,), got ",
+              query.sizes(), ", ", keys.sizes(), ", ", sources.sizes(), ", ", types.sizes(), ", ", sink.sizes());
+  TORCH_CHECK(k >= 1 && root > 0, "pool_compete: need k >= 1 and root > 0");
+  check_cpu({query, keys, type_bias, sink}, query.scalar_type(), "pool_compete");
+  query = query.contiguous();
+  keys = keys.contiguous();
+  type_bias = type_bias.contiguous();
+  sink = sink.contiguous();
+  sources = sources.to(torch::kLong).contiguous();
+  types = types.to(torch::kLong).contiguous();
+  const int64_t M = query.size(0), r = query.size(1), R = keys.size(0), P = sources.size(1);
+  const int64_t T = type_bias.numel(), kk = std::min(k, P);
+  const int64_t* src = sources.data_ptr<int64_t>();
+  const int64_t* typ = types.data_ptr<int64_t>();
+  for (int64_t i = 0; i < M * P; ++i) {  // checked here: a kernel thread cannot throw
+    TORCH_CHECK(src[i] < R && (src[i] < 0 || (typ[i] >= 0 && typ[i] < T)),
+                "pool_compete: a source past the ", R, " key rows or an edge type past the ", T, " biases");
+  }
+  auto top = torch::empty({M, kk}, query.options());
+  auto pick = torch::empty({M, kk}, sources.options());
+  auto weight = torch::empty({M, kk}, query.options());
+  AT_DISPATCH_FLOATING_TYPES(query.scalar_type(), "pool_compete", [&] {
+    using T_ = scalar_t;
+    const T_ *q = query.data_ptr<T_>(), *kp = keys.data_ptr<T_>(), *bias = type_bias.data_ptr<T_>();
+    const T_* sk = sink.data_ptr<T_>();
+    T_ *tp = top.data_ptr<T_>(), *wp = weight.data_ptr<T_>();
+    int64_t* pp = pick.data_ptr<int64_t>();
+    at::parallel_for(0, M, kGrain, [&](int64_t m0, int64_t m1) {
+      std::vector<T_> s(P);
+      std::vector<int64_t> order(P);
+      for (int64_t m = m0; m < m1; ++m) {
+        for (int64_t p = 0; p < P; ++p) {
+          const int64_t u = src[m * P + p];
+          s[p] = u < 0 ? -std::numeric_limits<T_>::infinity()
+                       : dot(q + m * r, kp + u * r, r) / T_(root) + bias[typ[m * P + p]];
+        }
+        // torch.sort(descending=True, stable=True): NaN first, then by value, equal values by column
+        auto before = [&](int64_t a, int64_t b) {
+          const bool na = std::isnan(s[a]), nb = std::isnan(s[b]);
+          if (na != nb) return na;
+          if (!na && s[a] != s[b]) return s[a] > s[b];
+          return a < b;
+        };
+        std::iota(order.begin(), order.end(), int64_t(0));
+        std::partial_sort(order.begin(), order.begin() + kk, order.end(), before);
+        T_ hi = sk[m];
+        for (int64_t i = 0; i < kk; ++i) hi = std::max(hi, s[order[i]]);
+        T_ total = std::exp(sk[m] - hi);
+        for (int64_t i = 0; i < kk; ++i) {
+          const T_ v = s[order[i]];
+          tp[m * kk + i] = v;
+          pp[m * kk + i] = order[i];
+          wp[m * kk + i] = std::exp(v - hi);  // exp(-inf) = 0: padding weighs nothing
+          total += wp[m * kk + i];
+        }
+        for (int64_t i = 0; i < kk; ++i) wp[m * kk + i] /= total;
+      }
+    });
+  });
+  return {top, pick, weight};
+}
+
+torch::Tensor glue_diag(torch::Tensor x, torch::Tensor src, torch::Tensor ptr, torch::Tensor edge_type,
+                        torch::Tensor edge_weight, torch::Tensor map_lin, torch::Tensor map_type_emb,
+                        torch::Tensor weight_channel, torch::Tensor eps) {
+  const int64_t d = eps.numel(), f = weight_channel.size(0);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == d * f && weight_channel.sizes() == torch::IntArrayRef({f, f}) &&
+              map_lin.sizes() == torch::IntArrayRef({2 * d, d * f}) && map_type_emb.dim() == 2 &&
+              map_type_emb.size(1) == d, "glue_diag: expected x (N, d * f), map_lin (2d, d * f), map_type_emb "
+              "(T, d), weight_channel (f, f), eps (d,), got ", x.sizes(), ", ", map_lin.sizes(), ", ",
+              map_type_emb.sizes(), ", ", weight_channel.sizes(), ", ", eps.sizes());
+  const int64_t N = x.size(0), E = src.numel(), T = map_type_emb.size(0), D = d * f;
+  TORCH_CHECK(ptr.numel() == N + 1 && edge_type.numel() == E && edge_weight.numel() == E,
+              "glue_diag: expected ptr (N + 1,) and one type and weight per edge");
+  check_cpu({x, edge_weight, map_lin, map_type_emb, weight_channel, eps}, x.scalar_type(), "glue_diag");
+  x = x.contiguous();
+  edge_weight = edge_weight.contiguous();
+  map_lin = map_lin.contiguous();
+  map_type_emb = map_type_emb.contiguous();
+  weight_channel = weight_channel.contiguous();
+  eps = eps.contiguous();
+  src = src.to(torch::kLong).contiguous();
+  ptr = ptr.to(torch::kLong).contiguous();
+  edge_type = edge_type.to(torch::kLong).contiguous();
+  const int64_t *sp = src.data_ptr<int64_t>(), *pp = ptr.data_ptr<int64_t>(), *tp = edge_type.data_ptr<int64_t>();
+  TORCH_CHECK(pp[0] == 0 && pp[N] == E, "glue_diag: ptr must run from 0 to the number of edges");
+  for (int64_t v = 0; v < N; ++v) TORCH_CHECK(pp[v] <= pp[v + 1], "glue_diag: ptr must not decrease");
+  for (int64_t e = 0; e < E; ++e) {
+    TORCH_CHECK(sp[e] >= 0 && sp[e] < N && tp[e] >= 0 && tp[e] < T, "glue_diag: a source past the ", N,
+                " rows or an edge type past the ", T, " embeddings");
+  }
+  auto out = torch::empty({N, D}, x.options());
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "glue_diag", [&] {
+    using T_ = scalar_t;
+    const T_ *xp = x.data_ptr<T_>(), *wp = edge_weight.data_ptr<T_>(), *ml = map_lin.data_ptr<T_>();
+    const T_ *emb = map_type_emb.data_ptr<T_>(), *w1 = weight_channel.data_ptr<T_>(), *ep = eps.data_ptr<T_>();
+    T_* op = out.data_ptr<T_>();
+    at::parallel_for(0, N, kGrain, [&](int64_t v0, int64_t v1) {
+      // per row: g = map_lin x (2d), Y = X W1 (d, f), W1 read transposed so that each entry is a dot product
+      std::vector<T_> w1t(f * f), g_v(2 * d), g_u(2 * d), y_v(D), y_u(D), lap(D);
+      for (int64_t a = 0; a < f; ++a)
+        for (int64_t b = 0; b < f; ++b) w1t[b * f + a] = w1[a * f + b];
+      auto transform = [&](const T_* row, T_* g, T_* y) {
+        linear(row, ml, static_cast<const T_*>(nullptr), g, 2 * d, D);
+        for (int64_t i = 0; i < d; ++i)
+          for (int64_t j = 0; j < f; ++j) y[i * f + j] = dot(row + i * f, w1t.data() + j * f, f);
+      };
+      for (int64_t v = v0; v < v1; ++v) {
+        const T_* xv = xp + v * D;
+        std::fill(lap.begin(), lap.end(), T_(0));
+        if (pp[v + 1] > pp[v]) transform(xv, g_v.data(), y_v.data());
+        for (int64_t e = pp[v]; e < pp[v + 1]; ++e) {
+          transform(xp + sp[e] * D, g_u.data(), y_u.data());
+          const T_* te = emb + tp[e] * d;
+          for (int64_t i = 0; i < d; ++i) {
+            const T_ f_u = std::tanh(g_u[i] + g_v[d + i] + te[i]);  // Psi(x_u, x_v)
+            const T_ f_v = std::tanh(g_v[i] + g_u[d + i] + te[i]);  // Psi(x_v, x_u)
+            const T_ a = wp[e] * f_v;
+            for (int64_t j = 0; j < f; ++j) lap[i * f + j] += a * (f_v * y_v[i * f + j] - f_u * y_u[i * f + j]);
+          }
+        }
+        for (int64_t i = 0; i < d; ++i) {
+          const T_ scale = T_(1) + std::tanh(ep[i]);
+          for (int64_t j = 0; j < f; ++j) {
+            const T_ l = lap[i * f + j];
+            op[v * D + i * f + j] = scale * xv[i * f + j] - (l > 0 ? l : std::expm1(l));  // ELU
+          }
+        }
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("ssm_step", &ssm_step, "One step of every chain's selective SSM recurrence (see step_kernels.cpp)");
+  m.def("feed_forward", &feed_forward, "proj(gelu(fc(layer_norm(x)))) on a few rows (see step_kernels.cpp)");
+  m.def("glue_diag", &glue_diag, "SheafConv with diag maps for inference (see step_kernels.cpp)");
+  m.def("pool_compete", &pool_compete, "Score dense candidate pools and keep the k best (see step_kernels.cpp)");
+}
