@@ -39,12 +39,15 @@ streamable (its noise is drawn per forward pass).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from sheafgnn.generation import TokenStream
+from sheafgnn.nn import cpu_kernels
+from sheafgnn.nn.pools import pool_dot
 from sheafgnn.nn.proposals import best_blocks, summarize_blocks, summary_query, summary_width, top_blocks
 from sheafgnn.nn.segment import sort_by_destination
 from sheafgnn.nn.ssm import SSMState
@@ -408,21 +411,61 @@ def select_streamed(topology: LearnedTopology, h: Tensor, delta: StreamDelta,
 
     # Outputs: one dense pool each (content proposals, then the rest), as LearnedTopology._output_pool.
     q_out = q[out0:]  # (M, r)
-    sources, types = delta.output_pool
-    if topology.content_blocks:
-        block_query = topology.block_query(h[out0:]) if topology.block_scorer else q_out
-        far, far_types = _content_proposals(topology, block_query, delta, cache)
-        sources, types = torch.cat([far, sources], 1), torch.cat([far_types, types], 1)
-    sink = topology.sink[delta.node_type[out0:]].unsqueeze(1)  # (M, 1)
-    top, pick, weight = topology.compete_pools(q_out, cache.key.data, sources, types, sink)
+    block_query = topology.block_query(h[out0:]) if topology.block_scorer else q_out
+    sources, types, weight = compete_outputs(topology, q_out, block_query, topology.sink[delta.node_type[out0:]],
+                                             delta, cache)  # (M, k) each
     # Every output's k columns, the padding of a short pool too: its weight is 0 and its source a real row
-    # (clamped), so its message and its share of L_vv are exact zeros (filtering them cost 9 ops a block).
-    out_dst = torch.arange(out0, out0 + q_out.size(0), device=q.device).repeat_interleave(top.size(1))
-    output_edges = (sources.gather(1, pick).flatten().clamp(min=0), out_dst, types.gather(1, pick).flatten(),
-                    weight.flatten())
+    # (row 0), so its message and its share of L_vv are exact zeros (filtering them cost 9 ops a block).
+    out_dst = torch.arange(out0, out0 + q_out.size(0), device=q.device).repeat_interleave(sources.size(1))
+    output_edges = (sources.flatten(), out_dst, types.flatten(), weight.flatten())
     if patch_edges[0].numel() == 0:  # most generated tokens close no patch
         return output_edges
     return tuple(torch.cat([a, b]) for a, b in zip(patch_edges, output_edges))
+
+
+def compete_outputs(topology: LearnedTopology, query: Tensor, block_query: Tensor, sink: Tensor, delta: StreamDelta,
+                    cache: LayerCache) -> tuple[Tensor, Tensor, Tensor]:
+    """The competition of a delta's M new outputs, as :meth:`LearnedTopology._output_pool` and
+    :meth:`~LearnedTopology.compete_dense` hold it in the full forward: each output's pool is its content
+    proposals (the tokens of the blocks its ``block_query`` (M, r) ranks best among its stream's cached block
+    summaries), then its position and rule candidates (``delta.output_pool``), scored by ``query`` (M, r)
+    against the cached keys; ``sink`` (M,) its "nothing" logit. Without gradients, on the CPU, for at most
+    :data:`~sheafgnn.nn.cpu_kernels.STEP_ROWS` outputs per stream, it is one call of the C++ kernel
+    ``stream_pools`` (:mod:`sheafgnn.nn.cpu_kernels`: ~30 ops a block in one); elsewhere, and as the
+    reference, :func:`compete_outputs_reference`.
+
+    Returns:
+        the kept candidates' source rows, edge types and weights, (M, k) each (a short pool's padding:
+        row 0 with weight 0).
+    """
+    kernel = None
+    # The kernel scores a row's blocks one by one: a step's few rows, not a prompt's (best_blocks' kernel)
+    few = query.size(0) <= cpu_kernels.STEP_ROWS * len(delta.token_streams)
+    dtype = query.dtype in (torch.float32, torch.float64) and query.dtype == topology.type_bias.dtype
+    if few and dtype and not torch.is_grad_enabled() and query.device.type == "cpu":
+        kernel = cpu_kernels.stream_pools()
+    if kernel is None:
+        return compete_outputs_reference(topology, query, block_query, sink, delta, cache)
+    B, (sources, types) = topology.block_size, delta.output_pool
+    top, sources, types, weight = kernel(
+        query, cache.key.data, sources, types, topology.type_bias, sink, topology.k, math.sqrt(topology.rank),
+        summary_query(block_query, topology.block_summary), cache.block_key.data, delta.token_stream,
+        delta.token_pos // B, delta.token_rows, topology.content_blocks, B, topology.content_type)
+    _, _, weight = topology._threshold(top, None, weight, sink.unsqueeze(1))
+    return sources, types, weight
+
+
+def compete_outputs_reference(topology: LearnedTopology, query: Tensor, block_query: Tensor, sink: Tensor,
+                              delta: StreamDelta, cache: LayerCache) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`compete_outputs` as PyTorch ops: the pools, their scores (:func:`~sheafgnn.nn.pools.pool_dot`),
+    :meth:`LearnedTopology.compete_dense`, and the kept columns' sources and types."""
+    sources, types = delta.output_pool
+    if topology.content_blocks:
+        far, far_types = _content_proposals(topology, block_query, delta, cache)
+        sources, types = torch.cat([far, sources], 1), torch.cat([far_types, types], 1)
+    score = topology._score(pool_dot(query, cache.key.data, sources.clamp(min=0)), types)  # (M, P)
+    _, pick, weight = topology.compete_dense(score.masked_fill(sources < 0, float("-inf")), sink.unsqueeze(1))
+    return sources.gather(1, pick).clamp(min=0), types.gather(1, pick), weight
 
 
 def _content_proposals(topology: LearnedTopology, block_query: Tensor, delta: StreamDelta,

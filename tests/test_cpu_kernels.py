@@ -3,12 +3,11 @@ import pytest
 import torch
 
 from sheafgnn.nn import cpu_kernels
-from sheafgnn.nn.experts import KERNEL_MAX_ROWS, FeedForward, feed_forward_reference
+from sheafgnn.nn.experts import FeedForward, feed_forward_reference
 from sheafgnn.nn.proposals import best_blocks, content_blocks, ranked_blocks_reference
 from sheafgnn.nn.segment import sort_by_destination
 from sheafgnn.nn.sheaf import SheafConv
 from sheafgnn.nn.ssm import SelectiveSSM, SSMState
-from sheafgnn.nn.topology import LearnedTopology
 
 block_topk = cpu_kernels.block_topk()
 needs_kernel = pytest.mark.skipif(block_topk is None, reason="the block_topk kernel is disabled or could not be built")
@@ -134,7 +133,7 @@ def test_ssm_step_takes_the_reference_with_gradients_or_the_kernel_off(monkeypat
 
 @needs_step_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("rows", [1, 3, KERNEL_MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 3, cpu_kernels.STEP_ROWS])
 @pytest.mark.parametrize("normed", [True, False])
 def test_feed_forward_kernel_equals_the_reference(dtype, rows, normed):
     """FeedForward in inference on a step's few rows (the kernel) equals feed_forward_reference."""
@@ -155,48 +154,23 @@ def test_feed_forward_kernel_only_on_few_rows_without_gradients():
     ffn = FeedForward(8, 16)
     assert ffn._kernel(torch.randn(2, 8)) is None  # gradients on: the lean autograd function
     with torch.no_grad():
-        assert ffn._kernel(torch.randn(KERNEL_MAX_ROWS + 1, 8)) is None  # many rows: MKL's matmuls
+        assert ffn._kernel(torch.randn(cpu_kernels.STEP_ROWS + 1, 8)) is None  # many rows: MKL's matmuls
         assert ffn._kernel(torch.randn(2, 8, dtype=torch.float64)) is None  # not the weights' dtype
-
-
-def _pools(g: torch.Generator, M: int, P: int, R: int, r: int, num_types: int):
-    """Pools with padding (-1), duplicated sources (equal scores) and rows of padding only."""
-    sources = torch.randint(-1, R, (M, P), generator=g)
-    sources[:, : P // 3] = sources[:, P // 3 : 2 * (P // 3)]  # duplicates: ties broken by column
-    if M > 2:
-        sources[2] = -1  # nothing to choose
-    types = torch.randint(0, num_types, (M, P), generator=g)
-    return torch.randn(M, r, generator=g), torch.randn(R, r, generator=g), sources, types
-
-
-@needs_step_kernels
-@pytest.mark.parametrize("M, P, k", [(1, 55, 8), (6, 5, 8), (9, 40, 3)])
-@pytest.mark.parametrize("sink_threshold", [False, True])
-def test_compete_pools_kernel_equals_the_reference(monkeypatch, M, P, k, sink_threshold):
-    """LearnedTopology.compete_pools: the kernel keeps the columns the sort keeps (ties by column, padding
-    last), with the same scores and weights; pools narrower than k and pools of padding only included."""
-    g = torch.Generator().manual_seed(M * P)
-    topology = _random_(LearnedTopology(16, 6, 3, k, rank=8, sink_threshold=sink_threshold), g).eval()
-    query, keys, sources, types = _pools(g, M, P, 30, 8, 6)
-    sink = topology.sink[torch.randint(0, 3, (M,), generator=g)].unsqueeze(1)
-    with torch.no_grad():
-        top, pick, weight = topology.compete_pools(query, keys, sources, types, sink)
-        monkeypatch.setenv("SHEAFGNN_CPU_KERNELS", "0")
-        top_ref, pick_ref, weight_ref = topology.compete_pools(query, keys, sources, types, sink)
-    assert pick.shape == (M, min(k, P)) and torch.equal(pick, pick_ref)
-    torch.testing.assert_close(top, top_ref)
-    torch.testing.assert_close(weight, weight_ref)
 
 
 @needs_step_kernels
 def test_step_kernels_check_their_input():
-    pool_compete = cpu_kernels.pool_compete()
+    stream_pools = cpu_kernels.stream_pools()
     query, keys = torch.randn(2, 4), torch.randn(5, 4)
     types, sink = torch.zeros(2, 3, dtype=torch.long), torch.zeros(2)
+    blocks = (query, torch.randn(2, 1, 4), torch.zeros(2, dtype=torch.long), torch.full((2,), 2),
+              torch.full((8, 1), 7), 1, 4, 0)  # two complete blocks of 4 tokens, one stream: token rows past the keys
     with pytest.raises(RuntimeError, match="past the 5 key rows"):
-        pool_compete(query, keys, torch.full((2, 3), 5), types, torch.zeros(1), sink, 2, 2.0)
+        stream_pools(query, keys, torch.full((2, 3), 5), types, torch.zeros(1), sink, 2, 2.0, *blocks)
+    with pytest.raises(RuntimeError, match="a token row past the 5 key rows"):
+        stream_pools(query, keys, torch.zeros(2, 3, dtype=torch.long), types, torch.zeros(1), sink, 2, 2.0, *blocks)
     with pytest.raises(RuntimeError, match="expected query"):
-        pool_compete(query, keys, torch.zeros(3, 3, dtype=torch.long), types, torch.zeros(1), sink, 2, 2.0)
+        stream_pools(query, keys, torch.zeros(3, 3, dtype=torch.long), types, torch.zeros(1), sink, 2, 2.0, *blocks)
     with pytest.raises(RuntimeError, match="dtype of x"):
         cpu_kernels.feed_forward()(torch.randn(1, 4), torch.empty(0), torch.empty(0), 0.0, torch.randn(6, 4).double(),
                                    torch.randn(6), torch.randn(4, 6), torch.randn(4))

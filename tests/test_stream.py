@@ -3,9 +3,11 @@
 import pytest
 import torch
 
+from sheafgnn import stream as stream_module
 from sheafgnn.model import SheafStateLM
+from sheafgnn.nn import cpu_kernels
 from sheafgnn.site import build_site
-from sheafgnn.stream import RowBuffer
+from sheafgnn.stream import RowBuffer, compete_outputs, compete_outputs_reference
 
 from .conftest import CODE, PROSE, small_model_config
 
@@ -51,6 +53,32 @@ def test_stream_equals_full_forward_every_map_kind(full_config, map_kind, num_ex
     ids = torch.tensor(list((PROSE + CODE).encode()))[:300]
     streamed = _streamed(model.stream(), ids, 13)
     torch.testing.assert_close(streamed, _full_logits(model, ids), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(cpu_kernels.stream_pools() is None, reason="the step kernels are disabled or could not be built")
+@pytest.mark.parametrize("block_summary,sink_threshold", [("mean", False), ("bounds", True)])
+def test_compete_outputs_kernel_equals_the_reference(monkeypatch, full_config, block_summary, sink_threshold):
+    """Every output competition of a batch of streams (prompts of different lengths, fed in pieces, then
+    generated tokens): the kernel keeps the candidates that the PyTorch composition keeps, with the same weights."""
+    model = _model(full_config, proposal_block=4, content_blocks=3, block_summary=block_summary,
+                   sink_threshold=sink_threshold)
+    checked = []
+
+    def both(*args):
+        kept = compete_outputs(*args)
+        reference = compete_outputs_reference(*args)
+        assert torch.equal(kept[0], reference[0]) and torch.equal(kept[1], reference[1])
+        torch.testing.assert_close(kept[2], reference[2])
+        checked.append(args[-1].block_key.size)  # content blocks cached so far
+        return kept
+
+    monkeypatch.setattr(stream_module, "compete_outputs", both)
+    ids = torch.tensor(list((PROSE + CODE).encode()))
+    stream = model.stream(batch_size=2)
+    stream.feed([ids[:90], ids[:41]])
+    stream.feed([ids[90:97], ids[41:42]])
+    stream.generate(5, generator=torch.Generator().manual_seed(0))
+    assert len(checked) == 7 * len(model.blocks) and min(checked) > 0
 
 
 def test_stream_of_the_ssm_ablation(full_config):

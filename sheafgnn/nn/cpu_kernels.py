@@ -8,8 +8,9 @@
         one step of every chain's selective SSM recurrence (SelectiveSSM.step)
     feed_forward(x (n, C), norm_weight, norm_bias, eps, fc_weight, fc_bias, proj_weight, proj_bias) -> (n, C)
         proj(gelu(fc(layer_norm(x)))) on the few rows of a generation step (FeedForward)
-    pool_compete(query (M, r), keys (R, r), sources (M, P), types, type_bias, sink (M,), k, root) -> top, pick, weight
-        score dense candidate pools and keep the k best of each (LearnedTopology.compete_pools)
+    stream_pools(query, keys, sources, types, type_bias, sink, k, root, block_query, block_key, stream, last,
+                 token_rows, num_blocks, block_size, content_type) -> (top, source, type, weight), (M, k) each
+        the competition of a stream batch's new outputs, content proposals included (stream.compete_outputs)
     glue_diag(x (N, D), src, ptr, edge_type, edge_weight, map_lin, map_type_emb, weight_channel, eps) -> (N, D)
         SheafConv with diag maps in inference, edges sorted by destination (SheafConv.forward)
 
@@ -30,6 +31,9 @@ import warnings
 from pathlib import Path
 
 _SOURCES = Path(__file__).parent / "csrc"
+# The step kernels' callers use them up to this many rows (per stream): a generation step's. Above, MKL's matmuls
+# (FeedForward: 14 against 42 us at 1 row, 226 against 116 us at 64) and best_blocks' tiled kernel win.
+STEP_ROWS = 16
 
 
 def enabled() -> bool:
@@ -92,6 +96,6 @@ def glue_diag():
     return _kernel("step_kernels", "glue_diag")
 
 
-def pool_compete():
-    """The ``pool_compete`` kernel (see the module docstring), or None: disabled or not buildable."""
-    return _kernel("step_kernels", "pool_compete")
+def stream_pools():
+    """The ``stream_pools`` kernel (see the module docstring), or None: disabled or not buildable."""
+    return _kernel("step_kernels", "stream_pools")

@@ -90,18 +90,16 @@ class _LeanFeedForward(torch.autograd.Function):
         return grad_x, grad_fc_w, grad_fc_b, grad_proj_w, grad_proj_b, grad_norm_w, grad_norm_b, None
 
 
-KERNEL_MAX_ROWS = 16  # FeedForward runs the C++ kernel up to this many rows; MKL's matmuls win above (measured)
-
-
 class FeedForward(nn.Module):
     """Linear -> GELU -> Linear, ``channels -> hidden -> channels``, optionally after a LayerNorm
     that its caller owns (``forward(x, norm)``).
 
     In training (plain :class:`~torch.nn.Linear` layers, gradients on) it runs as one autograd
     function that keeps ``x`` only and recomputes the rest in backward (:class:`_LeanFeedForward`).
-    Inference on the few rows of a generation step (at most :data:`KERNEL_MAX_ROWS`, on the CPU) is one
-    call of the C++ kernel ``feed_forward`` (:mod:`sheafgnn.nn.cpu_kernels`: 14 us a row against 42 us
-    for the ops); quantised layers (:mod:`sheafgnn.nn.quant`) and other inference run the plain composition.
+    Inference on the few rows of a generation step (at most :data:`~sheafgnn.nn.cpu_kernels.STEP_ROWS`, on
+    the CPU) is one call of the C++ kernel ``feed_forward`` (:mod:`sheafgnn.nn.cpu_kernels`: 14 us a row
+    against 42 us for the ops); quantised layers (:mod:`sheafgnn.nn.quant`) and other inference run the plain
+    composition.
     """
 
     def __init__(self, channels: int, hidden: int) -> None:
@@ -125,7 +123,7 @@ class FeedForward(nn.Module):
     def _kernel(self, x: Tensor):
         """The ``feed_forward`` kernel for the few rows ``x`` of an inference step (CPU, float32/64, the
         weights' dtype), else None."""
-        if torch.is_grad_enabled() or x.size(0) > KERNEL_MAX_ROWS or x.device.type != "cpu" or \
+        if torch.is_grad_enabled() or x.size(0) > cpu_kernels.STEP_ROWS or x.device.type != "cpu" or \
                 x.dtype not in (torch.float32, torch.float64) or x.dtype != self.fc.weight.dtype:
             return None
         return cpu_kernels.feed_forward()

@@ -232,9 +232,8 @@ class SheafConv(MessagePassing):
             self.act.inplace = True
 
         d = stalk_dim
-        self.num_map_params = {
-            "diag": d, "general": d * d, "orthogonal": d * (d - 1) // 2,
-        }[map_kind]  # P: map-learner outputs per (edge, side)
+        # P: map-learner outputs per (edge, side)
+        self.num_map_params = {"diag": d, "general": d * d, "orthogonal": d * (d - 1) // 2}[map_kind]
         hidden = map_hidden_channels or self.num_map_params
         self._map_width = hidden
         if self.num_map_params > 0:
@@ -432,15 +431,16 @@ class SheafConv(MessagePassing):
         return out, self._energy(X, maps_src, maps_dst, edges)
 
     def _kernel(self, x: Tensor, edge_index, edge_type: OptTensor, edge_weight: OptTensor, ptr: OptTensor):
-        r"""The C++ kernel ``glue_diag`` (:mod:`sheafgnn.nn.cpu_kernels`: a generation step's gluing in one
-        call, not ~40 ops) where it computes what :meth:`forward` does, else None: inference on the CPU, sorted
-        typed weighted edges with their :obj:`ptr`, plain diag maps, no stalk mixing, no normalisation, ELU."""
+        r"""The C++ kernel ``glue_diag`` (:mod:`sheafgnn.nn.cpu_kernels`: a step's gluing in one call, not ~40 ops)
+        where it computes what :meth:`forward` does (inference on the CPU, sorted typed weighted edges with their
+        :obj:`ptr`, diag maps, no stalk mixing, no normalisation, ELU), else None."""
         inputs = not torch.is_grad_enabled() and isinstance(edge_index, Tensor) and not edge_index.is_sparse and \
-            None not in (ptr, edge_type, edge_weight) and x.device.type == "cpu" and x.dtype == self.eps.dtype
+            ptr is not None and edge_type is not None and edge_weight is not None and x.device.type == "cpu"
         layer = self.map_kind == "diag" and self.map_out is None and self.weight_stalk is None and \
             self.normalize == "none" and type(self.act) is nn.ELU and self.act.alpha == 1.0 and \
             type(self.map_lin) is nn.Linear and type(self.map_type_emb) is nn.Embedding and self._fused()
-        return cpu_kernels.glue_diag() if inputs and layer and x.dtype in (torch.float32, torch.float64) else None
+        dtype = x.dtype == self.eps.dtype and x.dtype in (torch.float32, torch.float64)
+        return cpu_kernels.glue_diag() if inputs and layer and dtype else None
 
     def _fused(self) -> bool:
         r"""Whether :meth:`forward` may skip :meth:`propagate` for the fused

@@ -58,7 +58,6 @@ import torch
 from torch import Tensor, nn
 from torch_geometric.utils import softmax as segment_softmax
 
-from sheafgnn.nn import cpu_kernels
 from sheafgnn.nn.pools import pool_dot, pool_read
 from sheafgnn.nn.proposals import BLOCK_SUMMARIES, block_summaries, content_blocks, random_proposals, summary_query
 from sheafgnn.nn.segment import ptr_from_index
@@ -284,33 +283,6 @@ class LearnedTopology(nn.Module):
         top, pick = score.sort(dim=1, descending=True, stable=True)
         top, pick = top[:, : self.k], pick[:, : self.k]  # (M, k)
         weight = torch.cat([top, sink], 1).softmax(1)[:, :-1]  # (M, k): -inf -> 0
-        return self._threshold(top, pick, weight, sink)
-
-    def compete_pools(self, query: Tensor, keys: Tensor, sources: Tensor, types: Tensor,
-                      sink: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """:meth:`compete_dense` of pools scored here: ``score = _score(<query_m, keys[sources_mp]>, types)``,
-        -inf where ``sources`` is -1. Without gradients, on the CPU, it is one call of the C++ kernel
-        ``pool_compete`` (:mod:`sheafgnn.nn.cpu_kernels`; a generation step's pools: 12 ops in one);
-        else the composition of :func:`~sheafgnn.nn.pools.pool_dot`, :meth:`_score` and :meth:`compete_dense`.
-
-        Args:
-            query (Tensor): (M, r) the destinations' queries.
-            keys (Tensor): (R, r) the keys of every row ``sources`` reads.
-            sources (Tensor): (M, P) candidate rows (-1: padding).
-            types (Tensor): (M, P) their edge types.
-            sink (Tensor): (M, 1) each destination's "nothing" logit.
-
-        Returns:
-            as :meth:`compete_dense`.
-        """
-        kernel = None
-        if not (torch.is_grad_enabled() or self.random_scores) and query.device.type == "cpu" and \
-                query.dtype in (torch.float32, torch.float64) and query.dtype == keys.dtype == self.type_bias.dtype:
-            kernel = cpu_kernels.pool_compete()
-        if kernel is None:
-            score = self._score(pool_dot(query, keys, sources.clamp(min=0)), types)  # (M, P)
-            return self.compete_dense(score.masked_fill(sources < 0, float("-inf")), sink)
-        top, pick, weight = kernel(query, keys, sources, types, self.type_bias, sink, self.k, math.sqrt(self.rank))
         return self._threshold(top, pick, weight, sink)
 
     def _threshold(self, top: Tensor, pick: Tensor, weight: Tensor,

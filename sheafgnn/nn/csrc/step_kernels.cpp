@@ -8,11 +8,16 @@
 // feed_forward(x (n, C), norm_weight, norm_bias (C) or empty, eps, fc_weight (F, C), fc_bias (F),
 //              proj_weight (C, F), proj_bias (C)) -> (n, C)
 //     proj(gelu(fc(layer_norm(x)))), the exact (erf) GELU; no norm where norm_weight is empty.
-// pool_compete(query (M, r), keys (R, r), sources (M, P), types (M, P), type_bias (T,), sink (M,), k, root)
-//     -> (top (M, k'), pick (M, k'), weight (M, k')), k' = min(k, P)
-//     LearnedTopology's dense competition: score s_mp = <query_m, keys[sources_mp]> / root + type_bias[types_mp]
-//     (-inf where sources_mp < 0), the k' best columns of each row in the order of a stable descending sort
-//     (equal scores: the lower column first), and their weights softmax([top_m, sink_m]) without the sink's.
+// stream_pools(query, keys, sources (M, P0), types, type_bias, sink, k, root, block_query (M, r'),
+//              block_key (J, S, r'), stream (M,), last (M,), token_rows (n, S), num_blocks, block_size, content_type)
+//     -> (top (M, k'), source (M, k'), type (M, k'), weight (M, k')), k' = min(k, P), P = num_blocks * B + P0
+//     LearnedTopology's dense competition of every new output of a stream batch. Row m's pool: its content
+//     proposals, the tokens (rows token_rows[jB + t, stream_m]) of the num_blocks best blocks j < last_m of its
+//     stream by <block_query_m, block_key[j, stream_m]> (best first, equal scores: the lower block; -1 past the
+//     blocks chosen), then its other candidates ``sources`` (-1: padding). Score s_p = <query_m, keys[pool_p]> /
+//     root + type_bias[type_p] (-inf at padding); kept: the k' best in the order of a stable descending sort
+//     (equal scores: the lower column), weighted by softmax([top_m, sink_m]) without the sink's; returned as their
+//     scores, sources (padding: row 0, with weight 0), types and weights.
 //
 // glue_diag(x (N, d * f), src (E,), ptr (N + 1,), edge_type (E,), edge_weight (E,), map_lin (2d, d * f),
 //           map_type_emb (T, d), weight_channel (f, f), eps (d,)) -> (N, d * f)
@@ -29,6 +34,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -54,6 +60,13 @@ inline T dot(const T* a, const T* b, int64_t n) {
     std::memcpy(&b1, b + i + L, sizeof(V));
     acc0 += a0 * b0;
     acc1 += a1 * b1;
+  }
+  if (i + L <= n) {
+    V a0, b0;
+    std::memcpy(&a0, a + i, sizeof(V));
+    std::memcpy(&b0, b + i, sizeof(V));
+    acc0 += a0 * b0;
+    i += L;
   }
   acc0 += acc1;
   T s = 0;
@@ -202,71 +215,140 @@ torch::Tensor feed_forward(torch::Tensor x, torch::Tensor norm_weight, torch::Te
   return out;
 }
 
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> pool_compete(
+// One destination's dense competition (stream_pools): its pool's scores, then the k best in the order
+// of torch.sort(descending=True, stable=True) and their softmax weights with the sink.
+template <typename T>
+struct Competition {
+  std::vector<T> s;
+  std::vector<int64_t> order;
+  explicit Competition(int64_t P) : s(P), order(P) {}
+
+  // s_p = <query, keys[sources_p]> / root + bias[types_p], -inf where sources_p < 0
+  void score(const T* query, const T* keys, int64_t r, const int64_t* sources, const int64_t* types, const T* bias,
+             double root) {
+    for (size_t p = 0; p < s.size(); ++p) {
+      s[p] = sources[p] < 0 ? -std::numeric_limits<T>::infinity()
+                            : dot(query, keys + sources[p] * r, r) / T(root) + bias[types[p]];
+    }
+  }
+
+  // order[:k] := the k best columns (NaN first, then by value, equal values by column); top, weight (k,)
+  void compete(int64_t k, T sink, T* top, T* weight) {
+    auto before = [&](int64_t a, int64_t b) {
+      const bool na = std::isnan(s[a]), nb = std::isnan(s[b]);
+      if (na != nb) return na;
+      if (!na && s[a] != s[b]) return s[a] > s[b];
+      return a < b;
+    };
+    std::iota(order.begin(), order.end(), int64_t(0));
+    std::partial_sort(order.begin(), order.begin() + k, order.end(), before);
+    T hi = sink;
+    for (int64_t i = 0; i < k; ++i) hi = std::max(hi, s[order[i]]);
+    T total = std::exp(sink - hi);
+    for (int64_t i = 0; i < k; ++i) {
+      top[i] = s[order[i]];
+      weight[i] = std::exp(top[i] - hi);  // exp(-inf) = 0: padding weighs nothing
+      total += weight[i];
+    }
+    for (int64_t i = 0; i < k; ++i) weight[i] /= total;
+  }
+};
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> stream_pools(
     torch::Tensor query, torch::Tensor keys, torch::Tensor sources, torch::Tensor types, torch::Tensor type_bias,
-    torch::Tensor sink, int64_t k, double root) {
+    torch::Tensor sink, int64_t k, double root, torch::Tensor block_query, torch::Tensor block_key,
+    torch::Tensor stream, torch::Tensor last, torch::Tensor token_rows, int64_t num_blocks, int64_t block_size,
+    int64_t content_type) {
   TORCH_CHECK(query.dim() == 2 && keys.dim() == 2 && query.size(1) == keys.size(1) && sources.dim() == 2 &&
               sources.size(0) == query.size(0) && types.sizes() == sources.sizes() && sink.numel() == query.size(0),
-              "pool_compete: expected query (M, r), keys (R, r), sources and types (M, P), sink (M,), got ",
+              "stream_pools: expected query (M, r), keys (R, r), sources and types (M, P0), sink (M,), got ",
               query.sizes(), ", ", keys.sizes(), ", ", sources.sizes(), ", ", types.sizes(), ", ", sink.sizes());
-  TORCH_CHECK(k >= 1 && root > 0, "pool_compete: need k >= 1 and root > 0");
-  check_cpu({query, keys, type_bias, sink}, query.scalar_type(), "pool_compete");
+  const int64_t M = query.size(0), r = query.size(1), R = keys.size(0), P0 = sources.size(1);
+  const int64_t T = type_bias.numel(), B = block_size, m = num_blocks, P = m * B + P0;
+  TORCH_CHECK(k >= 1 && root > 0 && m >= 0 && B >= 1 && content_type >= 0 && content_type < T,
+              "stream_pools: need k >= 1, root > 0, num_blocks >= 0, block_size >= 1 and a content type < ", T);
+  TORCH_CHECK(m == 0 || (block_query.dim() == 2 && block_query.size(0) == M && block_key.dim() == 3 &&
+                         block_key.size(2) == block_query.size(1) && stream.numel() == M && last.numel() == M &&
+                         token_rows.dim() == 2 && token_rows.size(1) == block_key.size(1) &&
+                         token_rows.size(0) >= block_key.size(0) * B),
+              "stream_pools: expected block_query (M, r'), block_key (J, S, r'), stream and last (M,), token_rows "
+              "(>= J * block_size, S), got ", block_query.sizes(), ", ", block_key.sizes(), ", ", token_rows.sizes());
+  std::vector<torch::Tensor> floats{query, keys, type_bias, sink};
+  if (m > 0) floats.push_back(block_query), floats.push_back(block_key);
+  check_cpu(floats, query.scalar_type(), "stream_pools");
   query = query.contiguous();
   keys = keys.contiguous();
   type_bias = type_bias.contiguous();
   sink = sink.contiguous();
   sources = sources.to(torch::kLong).contiguous();
   types = types.to(torch::kLong).contiguous();
-  const int64_t M = query.size(0), r = query.size(1), R = keys.size(0), P = sources.size(1);
-  const int64_t T = type_bias.numel(), kk = std::min(k, P);
-  const int64_t* src = sources.data_ptr<int64_t>();
-  const int64_t* typ = types.data_ptr<int64_t>();
-  for (int64_t i = 0; i < M * P; ++i) {  // checked here: a kernel thread cannot throw
-    TORCH_CHECK(src[i] < R && (src[i] < 0 || (typ[i] >= 0 && typ[i] < T)),
-                "pool_compete: a source past the ", R, " key rows or an edge type past the ", T, " biases");
+  const int64_t J = m > 0 ? block_key.size(0) : 0, S = m > 0 ? block_key.size(1) : 1;
+  if (m > 0) {
+    block_query = block_query.contiguous();
+    block_key = block_key.contiguous();
+    stream = stream.to(torch::kLong).contiguous();
+    last = last.to(torch::kLong).contiguous();
+    token_rows = token_rows.to(torch::kLong).contiguous();
   }
+  // The pools, checked here (a kernel thread cannot throw): sources and token rows within the keys, types
+  // within the biases, streams within the block keys.
+  const int64_t *src = sources.data_ptr<int64_t>(), *typ = types.data_ptr<int64_t>();
+  for (int64_t i = 0; i < M * P0; ++i) {
+    TORCH_CHECK(src[i] < R && (src[i] < 0 || (typ[i] >= 0 && typ[i] < T)),
+                "stream_pools: a source past the ", R, " key rows or an edge type past the ", T, " biases");
+  }
+  const int64_t* st = m > 0 ? stream.data_ptr<int64_t>() : nullptr;
+  const int64_t* la = m > 0 ? last.data_ptr<int64_t>() : nullptr;
+  const int64_t* rows = m > 0 ? token_rows.data_ptr<int64_t>() : nullptr;
+  for (int64_t i = 0; m > 0 && i < M; ++i) TORCH_CHECK(st[i] >= 0 && st[i] < S, "stream_pools: a stream past ", S);
+  std::atomic<bool> bad_row{false};  // a token row of a chosen block past the keys (only those are read)
+  const int64_t kk = std::min(k, P);
   auto top = torch::empty({M, kk}, query.options());
-  auto pick = torch::empty({M, kk}, sources.options());
+  auto source = torch::empty({M, kk}, sources.options());
+  auto type = torch::empty({M, kk}, sources.options());
   auto weight = torch::empty({M, kk}, query.options());
-  AT_DISPATCH_FLOATING_TYPES(query.scalar_type(), "pool_compete", [&] {
+  AT_DISPATCH_FLOATING_TYPES(query.scalar_type(), "stream_pools", [&] {
     using T_ = scalar_t;
     const T_ *q = query.data_ptr<T_>(), *kp = keys.data_ptr<T_>(), *bias = type_bias.data_ptr<T_>();
-    const T_* sk = sink.data_ptr<T_>();
-    T_ *tp = top.data_ptr<T_>(), *wp = weight.data_ptr<T_>();
-    int64_t* pp = pick.data_ptr<int64_t>();
+    const T_ *sk = sink.data_ptr<T_>(), *bq = m > 0 ? block_query.data_ptr<T_>() : nullptr;
+    const T_* bk = m > 0 ? block_key.data_ptr<T_>() : nullptr;
+    const int64_t rb = m > 0 ? block_query.size(1) : 0;
     at::parallel_for(0, M, kGrain, [&](int64_t m0, int64_t m1) {
-      std::vector<T_> s(P);
-      std::vector<int64_t> order(P);
-      for (int64_t m = m0; m < m1; ++m) {
-        for (int64_t p = 0; p < P; ++p) {
-          const int64_t u = src[m * P + p];
-          s[p] = u < 0 ? -std::numeric_limits<T_>::infinity()
-                       : dot(q + m * r, kp + u * r, r) / T_(root) + bias[typ[m * P + p]];
+      Competition<T_> row(P);
+      std::vector<int64_t> pool(P), pool_type(P), best(m);
+      std::vector<T_> best_score(m);
+      for (int64_t i = m0; i < m1; ++i) {
+        int64_t chosen = 0;  // the num_blocks best blocks, kept sorted; a later block only passes a better score
+        for (int64_t j = 0; j < std::min(m > 0 ? la[i] : 0, J); ++j) {
+          const T_ v = dot(bq + i * rb, bk + (j * S + st[i]) * rb, rb);
+          if (!std::isfinite(v) || (chosen == m && !(v > best_score[m - 1]))) continue;
+          int64_t at = chosen < m ? chosen++ : m - 1;
+          while (at > 0 && best_score[at - 1] < v) {
+            best_score[at] = best_score[at - 1], best[at] = best[at - 1];
+            --at;
+          }
+          best_score[at] = v, best[at] = j;
         }
-        // torch.sort(descending=True, stable=True): NaN first, then by value, equal values by column
-        auto before = [&](int64_t a, int64_t b) {
-          const bool na = std::isnan(s[a]), nb = std::isnan(s[b]);
-          if (na != nb) return na;
-          if (!na && s[a] != s[b]) return s[a] > s[b];
-          return a < b;
-        };
-        std::iota(order.begin(), order.end(), int64_t(0));
-        std::partial_sort(order.begin(), order.begin() + kk, order.end(), before);
-        T_ hi = sk[m];
-        for (int64_t i = 0; i < kk; ++i) hi = std::max(hi, s[order[i]]);
-        T_ total = std::exp(sk[m] - hi);
-        for (int64_t i = 0; i < kk; ++i) {
-          const T_ v = s[order[i]];
-          tp[m * kk + i] = v;
-          pp[m * kk + i] = order[i];
-          wp[m * kk + i] = std::exp(v - hi);  // exp(-inf) = 0: padding weighs nothing
-          total += wp[m * kk + i];
+        for (int64_t b = 0; b < m; ++b) {
+          for (int64_t t = 0; t < B; ++t) {
+            pool[b * B + t] = b < chosen ? rows[(best[b] * B + t) * S + st[i]] : -1;
+            if (pool[b * B + t] >= R) bad_row = true, pool[b * B + t] = -1;
+            pool_type[b * B + t] = content_type;
+          }
         }
-        for (int64_t i = 0; i < kk; ++i) wp[m * kk + i] /= total;
+        std::copy(src + i * P0, src + (i + 1) * P0, pool.begin() + m * B);
+        std::copy(typ + i * P0, typ + (i + 1) * P0, pool_type.begin() + m * B);
+        row.score(q + i * r, kp, r, pool.data(), pool_type.data(), bias, root);
+        row.compete(kk, sk[i], top.data_ptr<T_>() + i * kk, weight.data_ptr<T_>() + i * kk);
+        for (int64_t c = 0; c < kk; ++c) {
+          source.data_ptr<int64_t>()[i * kk + c] = std::max<int64_t>(pool[row.order[c]], 0);
+          type.data_ptr<int64_t>()[i * kk + c] = pool_type[row.order[c]];
+        }
       }
     });
   });
-  return {top, pick, weight};
+  TORCH_CHECK(!bad_row, "stream_pools: a token row past the ", R, " key rows");
+  return {top, source, type, weight};
 }
 
 torch::Tensor glue_diag(torch::Tensor x, torch::Tensor src, torch::Tensor ptr, torch::Tensor edge_type,
@@ -347,5 +429,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ssm_step", &ssm_step, "One step of every chain's selective SSM recurrence (see step_kernels.cpp)");
   m.def("feed_forward", &feed_forward, "proj(gelu(fc(layer_norm(x)))) on a few rows (see step_kernels.cpp)");
   m.def("glue_diag", &glue_diag, "SheafConv with diag maps for inference (see step_kernels.cpp)");
-  m.def("pool_compete", &pool_compete, "Score dense candidate pools and keep the k best (see step_kernels.cpp)");
+  m.def("stream_pools", &stream_pools, "The competition of a stream batch's new outputs (see step_kernels.cpp)");
 }
