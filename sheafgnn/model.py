@@ -248,7 +248,7 @@ class SheafBlock(nn.Module):
                           ptr=ptr_from_index(dst, N + src.numel()))[:N]
         update, _ = self.experts(glued, delta.type_ptr, self.norm_expert)
         h = glued.add_(update)  # in place: the step's own rows (no autograd in a stream)
-        h[tok] += self.broadcast(h[out])
+        h[tok].add_(self.broadcast(h[out]))  # a view's add_: no write-back of the slice (3 ops fewer)
         return h
 
 

@@ -386,7 +386,7 @@ def select_streamed(topology: LearnedTopology, h: Tensor, delta: StreamDelta,
     q = topology.query(h)  # (N, r)
     key = topology.key(h[:num_rows])  # (rows, r)
     previous = cache.state.data[delta.previous_row].masked_fill_(delta.no_previous, 0.0)  # (T, D)
-    key[tok] += topology.key_previous(previous)
+    key[tok].add_(topology.key_previous(previous))
     cache.key.extend(num_rows)
     cache.key.write(first, key)
     block_keys = cache.key
