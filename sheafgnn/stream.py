@@ -231,15 +231,18 @@ class SheafStream(TokenStream):
         first_row, self.num_rows = self.num_rows, self.num_rows + type_ptr[_OUTPUT]  # outputs: never sources
         token_pos, token_stream = self._write_rows(deltas, counts, first, type_ptr, first_row)
 
-        def concat(parts: list[Tensor]) -> Tensor:
-            return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+        def concat(parts: list[Tensor]) -> Tensor:  # one stream's: as it is
+            return parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
+        # Small index tensors from plain lists, one op each (a generation step's cost is its ops' launches).
         present = [d for d in deltas if d is not None]
-        sizes = torch.tensor([type_ptr[i + 1] - type_ptr[i] for i in range(len(FLAT_TYPES))], device=device)
-        node_type = torch.repeat_interleave(torch.arange(len(FLAT_TYPES), device=device), sizes)
+        node_type = torch.tensor([i for i in range(len(FLAT_TYPES)) for _ in range(type_ptr[i + 1] - type_ptr[i])],
+                                 dtype=torch.long, device=device)
         token_streams = [b for b in range(B) if counts[0][b]]
-        token_reset = torch.zeros(token_pos.numel(), dtype=torch.bool, device=device)
-        token_reset[[first["token"][b] for b in token_streams]] = True
+        token_reset = [False] * token_pos.numel()
+        for b in token_streams:
+            token_reset[first["token"][b]] = True
+        token_reset = torch.tensor(token_reset, dtype=torch.bool, device=device)
         token_rows = self.node_rows.data[:, 0]  # (positions, B)
         no_previous = (token_pos == 0).unsqueeze(1)  # (T, 1)
         previous_row = token_rows[(token_pos - 1).clamp(min=0), token_stream]  # (T,)
@@ -288,20 +291,18 @@ class SheafStream(TokenStream):
         """Record the cache rows of the new non-output nodes (``first_row`` on, in delta order) in the
         node table (each new node by its id in the full site, its type and its stream); returns the new
         tokens' positions and streams."""
-        device, streams = self.device, torch.arange(self.batch_size, device=self.device)
+        device = self.device
         self.node_rows.grow_to(max(max(site.num_nodes[t] for t in FLAT_TYPES[:_OUTPUT]) for site in self.sites))
-        for i, t in enumerate(FLAT_TYPES[:_OUTPUT]):
-            if type_ptr[i + 1] == type_ptr[i]:
-                continue
-            stream = torch.repeat_interleave(streams, torch.tensor(counts[i], device=device))  # (n_t,)
-            # Node j of the type's block is stream b's node node_offset + j - (first[t][b] - type_ptr[i]).
-            shift = torch.tensor([d.node_offset[t] - first[t][b] + type_ptr[i] if d is not None else 0
-                                  for b, d in enumerate(deltas)], device=device)
-            ids = torch.arange(stream.numel(), device=device) + shift[stream]
-            self.node_rows.data[ids, i, stream] = torch.arange(first_row + type_ptr[i], first_row + type_ptr[i + 1],
-                                                               device=device)
-            if t == "token":
-                token_pos, token_stream = ids, stream
+        for i, t in enumerate(FLAT_TYPES[:_OUTPUT]):  # per type and stream, one run of ids and one of rows
+            for b, d in enumerate(deltas):
+                if counts[i][b]:
+                    ids, row = slice(d.node_offset[t], d.node_offset[t] + counts[i][b]), first_row + first[t][b]
+                    self.node_rows.data[ids, i, b] = torch.arange(row, row + counts[i][b], device=device)
+        # in plain lists: one op each, where ranges per stream cost several (a generation step has one token)
+        tokens = [(b, d.node_offset["token"], n) for b, (d, n) in enumerate(zip(deltas, counts[0])) if n]
+        token_pos = torch.tensor([p for _, start, n in tokens for p in range(start, start + n)], dtype=torch.long,
+                                 device=device)
+        token_stream = torch.tensor([b for b, _, n in tokens for _ in range(n)], dtype=torch.long, device=device)
         return token_pos, token_stream
 
     def _edges(self, deltas, first, edge_types, type_ptr) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -191,13 +191,14 @@ class PatchExperts(nn.Module):
             raise ValueError(f"PatchExperts: type_ptr must have {self.num_types + 1} entries from 0 to "
                              f"x.size(0) = {x.size(0)} (got {list(type_ptr)})")
         outs, losses = [], []
-        # a split, not slices: its backward is one cat, where each slice's would zero-fill x's gradient
-        blocks = x.split([type_ptr[t + 1] - type_ptr[t] for t in range(self.num_types)])
-        for t, block in enumerate(blocks):  # a loop per node type
-            # Inference skips a type without nodes (a stream's step has few); training still runs it, so
-            # that its weights get (zero) gradients and the optimizer treats every step alike.
-            if block.size(0) == 0 and not torch.is_grad_enabled():
-                continue
+        if torch.is_grad_enabled():
+            # A split, not slices: its backward is one cat, where each slice's would zero-fill x's gradient. A type
+            # without nodes still runs, so that its weights get (zero) gradients and every step is alike.
+            blocks = enumerate(x.split([type_ptr[t + 1] - type_ptr[t] for t in range(self.num_types)]))
+        else:  # inference: the types with nodes only (a stream's step has two of ten)
+            blocks = [(t, x[type_ptr[t] : type_ptr[t + 1]]) for t in range(self.num_types)
+                      if type_ptr[t + 1] > type_ptr[t]]
+        for t, block in blocks:  # a loop per node type
             out, loss = self._route(t, block, norm)
             outs.append(out)
             if loss is not None:

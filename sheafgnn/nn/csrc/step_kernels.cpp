@@ -288,7 +288,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> stream_po
     block_key = block_key.contiguous();
     stream = stream.to(torch::kLong).contiguous();
     last = last.to(torch::kLong).contiguous();
-    token_rows = token_rows.to(torch::kLong).contiguous();
+    // read in place through its strides: a stream's table of rows is a strided view that grows with the context
+    TORCH_CHECK(token_rows.scalar_type() == torch::kLong, "stream_pools: token_rows must be int64");
   }
   // The pools, checked here (a kernel thread cannot throw): sources and token rows within the keys, types
   // within the biases, streams within the block keys.
@@ -300,6 +301,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> stream_po
   const int64_t* st = m > 0 ? stream.data_ptr<int64_t>() : nullptr;
   const int64_t* la = m > 0 ? last.data_ptr<int64_t>() : nullptr;
   const int64_t* rows = m > 0 ? token_rows.data_ptr<int64_t>() : nullptr;
+  const int64_t row_stride = m > 0 ? token_rows.stride(0) : 0, stream_stride = m > 0 ? token_rows.stride(1) : 0;
   for (int64_t i = 0; m > 0 && i < M; ++i) TORCH_CHECK(st[i] >= 0 && st[i] < S, "stream_pools: a stream past ", S);
   std::atomic<bool> bad_row{false};  // a token row of a chosen block past the keys (only those are read)
   const int64_t kk = std::min(k, P);
@@ -331,7 +333,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> stream_po
         }
         for (int64_t b = 0; b < m; ++b) {
           for (int64_t t = 0; t < B; ++t) {
-            pool[b * B + t] = b < chosen ? rows[(best[b] * B + t) * S + st[i]] : -1;
+            pool[b * B + t] = b < chosen ? rows[(best[b] * B + t) * row_stride + st[i] * stream_stride] : -1;
             if (pool[b * B + t] >= R) bad_row = true, pool[b * B + t] = -1;
             pool_type[b * B + t] = content_type;
           }
