@@ -221,9 +221,10 @@ class SheafBlock(nn.Module):
         """:meth:`forward` for the new nodes of a stream batch only, from the cached states of old
         ones (see :mod:`sheafgnn.stream`); returns the new nodes' states (N_new, D)."""
         tok = slice(0, delta.token_ids.numel())
-        y, cache.token_ssm = continue_chains(self.phi_token, self.norm_token(h[tok]), delta.token_reset,
+        h_tok = h[tok]  # (T, D)
+        y, cache.token_ssm = continue_chains(self.phi_token, self.norm_token(h_tok), delta.token_reset,
                                              cache.token_ssm, delta.token_streams)
-        h_tok = h[tok] + y  # (T, D)
+        h_tok = h_tok + y
         if not self.gluing:
             update, _ = self.experts(h_tok, [0, h_tok.size(0)], self.norm_expert)
             return h_tok + update
@@ -243,7 +244,7 @@ class SheafBlock(nn.Module):
         src, dst, edge_type, weight = select_streamed(self.topology, h, delta, cache)
         # Gluing on [new nodes | one copy of each edge's source]: a node's output reads only its in-edges.
         N = h.size(0)
-        local = torch.stack([N + torch.arange(src.numel(), device=h.device), dst])
+        local = torch.stack([torch.arange(N, N + src.numel(), device=h.device), dst])
         glued = self.glue(torch.cat([h, cache.state.data[src]]), local, edge_type, weight,
                           ptr=ptr_from_index(dst, N + src.numel()))[:N]
         update, _ = self.experts(glued, delta.type_ptr, self.norm_expert)

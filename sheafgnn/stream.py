@@ -404,7 +404,7 @@ def select_streamed(topology: LearnedTopology, h: Tensor, delta: StreamDelta,
     # Non-output destinations: their rule candidates, edge by edge.
     out0 = delta.type_ptr[_OUTPUT]
     src, dst, types = delta.patch_rules
-    patch_edges = (src, dst, types, q.new_zeros(0))
+    patch_edges = None  # most generated tokens close no patch
     if dst.numel():
         score = topology._score((q[dst] * cache.key.data[src]).sum(-1), types)
         keep, weight = topology.compete_sparse(score, dst, topology.sink[delta.node_type[:out0]])
@@ -419,7 +419,7 @@ def select_streamed(topology: LearnedTopology, h: Tensor, delta: StreamDelta,
     # (row 0), so its message and its share of L_vv are exact zeros (filtering them cost 9 ops a block).
     out_dst = torch.arange(out0, out0 + q_out.size(0), device=q.device).repeat_interleave(sources.size(1))
     output_edges = (sources.flatten(), out_dst, types.flatten(), weight.flatten())
-    if patch_edges[0].numel() == 0:  # most generated tokens close no patch
+    if patch_edges is None or patch_edges[0].numel() == 0:
         return output_edges
     return tuple(torch.cat([a, b]) for a, b in zip(patch_edges, output_edges))
 
