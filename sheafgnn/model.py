@@ -222,8 +222,8 @@ class SheafBlock(nn.Module):
         ones (see :mod:`sheafgnn.stream`); returns the new nodes' states (N_new, D)."""
         tok = slice(0, delta.token_ids.numel())
         h_tok = h[tok]  # (T, D)
-        y, cache.token_ssm = continue_chains(self.phi_token, self.norm_token(h_tok), delta.token_reset,
-                                             cache.token_ssm, delta.token_streams)
+        y, cache.token_ssm = continue_chains(self.phi_token, h_tok, delta.token_reset, cache.token_ssm,
+                                             delta.token_streams, norm=self.norm_token)
         h_tok = h_tok + y
         if not self.gluing:
             update, _ = self.experts(h_tok, [0, h_tok.size(0)], self.norm_expert)
@@ -235,8 +235,8 @@ class SheafBlock(nn.Module):
         if patches.stop > patches.start:  # most generated tokens close no patch
             h_patch = h_patch + self.pool(gather_segment_mean(cache.state.data, delta.cover_src, delta.cover_ptr))
             num_chained = delta.chain_reset.numel()
-            y, cache.chain_ssm = continue_chains(self.phi_patch, self.norm_patch(h_patch[:num_chained]),
-                                                 delta.chain_reset, cache.chain_ssm, delta.chain_rows)
+            y, cache.chain_ssm = continue_chains(self.phi_patch, h_patch[:num_chained], delta.chain_reset,
+                                                 cache.chain_ssm, delta.chain_rows, norm=self.norm_patch)
             h_patch = torch.cat([h_patch[:num_chained] + y, h_patch[num_chained:]])
             cache.state.write(first + tok.stop, h_patch)
         h = torch.cat([h_tok, h_patch, h[out] + h_tok])  # (N, D)

@@ -31,6 +31,12 @@ projections and pools (O(k) sources), and the content-block scores: one
 rank-r dot product per complete block before the token (O(n / B)), the
 only term that grows with the context (as the design states).
 
+**Launches, not arithmetic.** A batch-1 step computes a few rows per block, so each PyTorch op costs its
+launch (a few microseconds on a CPU) far more than its work. Without gradients on the CPU, the step's
+compute runs in the C++ kernels of :mod:`sheafgnn.nn.cpu_kernels` (``ssm_step``, ``feed_forward``,
+``glue_diag``, and ``stream_pools`` for :func:`compete_outputs`), each one call where PyTorch dispatched
+10-40 ops; each is tested against its PyTorch reference.
+
 Streamed logits equal the full forward's
 (``model(build_site(all ids so far))``) up to float rounding: the chunked
 scan and the step order sums differently. The random-score ablation is not
@@ -352,19 +358,20 @@ class _TokensOnly:
     token_streams: list[int]
 
 
-def continue_chains(ssm, x: Tensor, reset: Tensor, pool: SSMState, rows: list[int]) -> tuple[Tensor, SSMState]:
-    """Run the SSM ``ssm`` over chains that continue from rows ``rows`` of the state batch ``pool``
-    (a chain not started yet has a zero state, as :meth:`SelectiveSSM.init_state` gives); returns the
-    outputs and the pool with those rows advanced."""
+def continue_chains(ssm, x: Tensor, reset: Tensor, pool: SSMState, rows: list[int],
+                    norm=None) -> tuple[Tensor, SSMState]:
+    """Run the SSM ``ssm`` over chains of ``norm(x)`` (``x`` without ``norm``) that continue from rows ``rows``
+    of the state batch ``pool`` (a chain not started yet has a zero state, as :meth:`SelectiveSSM.init_state`
+    gives); returns the outputs and the pool with those rows advanced."""
     if not rows:  # no chain has new elements
         return x, pool
     every = rows == list(range(pool.conv.size(0)))  # generation with every stream: no gather, no scatter
     index = None if every else torch.tensor(rows, device=x.device)
     state = pool if every else SSMState(pool.conv[index], pool.ssm[index])
     if x.size(0) == len(rows):  # one new element per chain (generation): the recurrent step
-        y, new = ssm.step(x, state)
+        y, new = ssm.step(x, state, norm=norm)
     else:
-        y, new = ssm(x, reset, state=state, return_state=True)
+        y, new = ssm(x, reset, state=state, return_state=True, norm=norm)
     if every:
         return y, new
     pool.conv[index], pool.ssm[index] = new.conv, new.ssm

@@ -98,19 +98,21 @@ def _random_(module: torch.nn.Module, g: torch.Generator) -> torch.nn.Module:
 
 @needs_step_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("batch, d_conv, headdim", [(1, 4, 48), (5, 2, 16), (19, 1, 8)])
-def test_ssm_step_equals_the_reference(dtype, batch, d_conv, headdim):
+@pytest.mark.parametrize("batch, d_conv, headdim, normed", [(1, 4, 48, True), (5, 2, 16, False), (19, 1, 8, True)])
+def test_ssm_step_equals_the_reference(dtype, batch, d_conv, headdim, normed):
     """SelectiveSSM.step through the kernel equals step_reference (random weights and states, chains in
-    parallel, every conv width): outputs and both new states; the old states are left as they were."""
+    parallel, every conv width, with and without the caller's norm): outputs and both new states; the old
+    states are left as they were."""
     g = torch.Generator().manual_seed(batch)
     ssm = _random_(SelectiveSSM(24, d_state=6, headdim=headdim, d_conv=d_conv), g).to(dtype)
+    norm = _random_(torch.nn.LayerNorm(24), g).to(dtype) if normed else None
     x = torch.randn(batch, 24, generator=g, dtype=dtype)
     state = SSMState(*(torch.randn(t.shape, generator=g, dtype=dtype) for t in ssm.init_state(batch, dtype=dtype)))
     before = SSMState(state.conv.clone(), state.ssm.clone())
     with torch.no_grad():
-        assert ssm._step_kernel(x) is not None
-        y, new = ssm.step(x, state)
-        y_ref, new_ref = ssm.step_reference(x, state)
+        assert ssm._step_kernel(x, norm) is not None
+        y, new = ssm.step(x, state, norm=norm)
+        y_ref, new_ref = ssm.step_reference(x if norm is None else norm(x), state)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(y, y_ref, **tol)
     torch.testing.assert_close(new.conv, new_ref.conv, **tol)
@@ -122,11 +124,12 @@ def test_ssm_step_takes_the_reference_with_gradients_or_the_kernel_off(monkeypat
     """Gradients (training), another dtype than the weights, or SHEAFGNN_CPU_KERNELS=0: the PyTorch step."""
     ssm = SelectiveSSM(16, d_state=4, headdim=8)
     x = torch.randn(2, 16)
-    assert ssm._step_kernel(x) is None  # gradients on
+    assert ssm._step_kernel(x, None) is None  # gradients on
     with torch.no_grad():
-        assert ssm._step_kernel(x.double()) is None
+        assert ssm._step_kernel(x.double(), None) is None
+        assert ssm._step_kernel(x, torch.nn.LayerNorm(16, bias=False)) is None  # not an affine norm with bias
         monkeypatch.setenv("SHEAFGNN_CPU_KERNELS", "0")
-        assert ssm._step_kernel(x) is None
+        assert ssm._step_kernel(x, None) is None
         y, _ = ssm.step(x, ssm.init_state(2))
         assert torch.equal(y, ssm.step_reference(x, ssm.init_state(2))[0])
 
@@ -179,7 +182,7 @@ def test_step_kernels_check_their_input():
         state = ssm.init_state(3)
         cpu_kernels.ssm_step()(torch.randn(2, 8), state.conv, state.ssm, ssm.in_proj.weight, ssm.conv_weight,
                                ssm.conv_bias, ssm.dt_bias, ssm.A_log, ssm.D, ssm.norm.weight, 1e-6,
-                               ssm.out_proj.weight)
+                               ssm.out_proj.weight, torch.empty(0), torch.empty(0), 0.0)
 
 
 @needs_step_kernels

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from sheafgnn.nn import cpu_kernels
-from sheafgnn.nn.norm_linear import norm_linear
+from sheafgnn.nn.norm_linear import fusable_norm, norm_linear
 from sheafgnn.nn.ssd import chain_starts, ssd_scan, ssd_scan_chains
 from sheafgnn.nn.ssm_kernels import chain_conv, chain_layout, gated_rms_norm
 
@@ -307,8 +307,9 @@ class SelectiveSSM(nn.Module):
                           device=device, dtype=dtype)  # (batch, H, P, N)
         return SSMState(conv, ssm)
 
-    def step(self, x_t: Tensor, state: SSMState) -> tuple[Tensor, SSMState]:
-        r"""One recurrent step for a batch of chains, O(1) in sequence length.
+    def step(self, x_t: Tensor, state: SSMState, norm: nn.LayerNorm | None = None) -> tuple[Tensor, SSMState]:
+        r"""One recurrent step for a batch of chains, O(1) in sequence length, of ``x_t`` or, with the
+        caller's ``norm``, of ``norm(x_t)`` (as :meth:`forward` takes it).
 
         Without gradients, on the CPU, it is one call of the C++ kernel ``ssm_step``
         (:mod:`sheafgnn.nn.cpu_kernels`: a step's 25 ops cost their launches, about 150 us at batch 1,
@@ -318,20 +319,20 @@ class SelectiveSSM(nn.Module):
             - **input:** x_t (batch, D), state :class:`SSMState`
             - **output:** y_t (batch, D), new :class:`SSMState`
         """
-        kernel = self._step_kernel(x_t)
+        kernel = self._step_kernel(x_t, norm)
         if kernel is None:
-            return self.step_reference(x_t, state)
-        norm = self.norm
-        eps = torch.finfo(x_t.dtype).eps if norm.eps is None else norm.eps
+            return self.step_reference(x_t if norm is None else norm(x_t), state)
+        eps = torch.finfo(x_t.dtype).eps if self.norm.eps is None else self.norm.eps
+        x_norm = (x_t.new_empty(0), x_t.new_empty(0), 0.0) if norm is None else (norm.weight, norm.bias, norm.eps)
         y, conv, ssm = kernel(x_t, state.conv, state.ssm, self.in_proj.weight, self.conv_weight, self.conv_bias,
-                              self.dt_bias, self.A_log, self.D, norm.weight, eps, self.out_proj.weight)
+                              self.dt_bias, self.A_log, self.D, self.norm.weight, eps, self.out_proj.weight, *x_norm)
         return y, SSMState(conv, ssm)
 
-    def _step_kernel(self, x_t: Tensor):
+    def _step_kernel(self, x_t: Tensor, norm: nn.LayerNorm | None):
         """The ``ssm_step`` kernel where it computes what :meth:`step_reference` does (no gradients, CPU,
-        float32/64, plain bias-free projections), else None."""
+        float32/64, plain bias-free projections, an affine ``norm`` if any), else None."""
         if torch.is_grad_enabled() or x_t.device.type != "cpu" or x_t.dtype not in (torch.float32, torch.float64) \
-                or x_t.dtype != self.A_log.dtype:
+                or x_t.dtype != self.A_log.dtype or not (norm is None or fusable_norm(norm)):
             return None
         if type(self.in_proj) is not nn.Linear or type(self.out_proj) is not nn.Linear or \
                 self.in_proj.bias is not None or self.out_proj.bias is not None or self.norm.weight is None:

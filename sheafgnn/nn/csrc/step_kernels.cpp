@@ -3,8 +3,10 @@
 // launches cost more than their arithmetic (a few microseconds each on a CPU, batch 1).
 //
 // ssm_step(x (b, D), conv (b, K-1, C), ssm (b, H, P, N), in_proj (Z, D), conv_weight (C, K), conv_bias (C),
-//          dt_bias (H), A_log (H), D (H), norm_weight (I), eps, out_proj (D, I)) -> (y (b, D), conv', ssm')
-//     SelectiveSSM.step: Z = I + C + H, C = I + 2N, I = H * P. The states are not modified: new ones are returned.
+//          dt_bias (H), A_log (H), D (H), norm_weight (I), eps, out_proj (D, I), x_norm_weight, x_norm_bias (D) or
+//          empty, x_eps) -> (y (b, D), conv', ssm')
+//     SelectiveSSM.step of layer_norm(x) (of x where x_norm_weight is empty): Z = I + C + H, C = I + 2N,
+//     I = H * P. The states are not modified: new ones are returned.
 // feed_forward(x (n, C), norm_weight, norm_bias (C) or empty, eps, fc_weight (F, C), fc_bias (F),
 //              proj_weight (C, F), proj_bias (C)) -> (n, C)
 //     proj(gelu(fc(layer_norm(x)))), the exact (erf) GELU; no norm where norm_weight is empty.
@@ -87,6 +89,17 @@ inline T silu(T v) { return v / (T(1) + std::exp(-v)); }
 template <typename T>
 inline T softplus(T v) { return v > T(20) ? v : std::log1p(std::exp(v)); }  // F.softplus, threshold 20
 
+// out = F.layer_norm(row) (biased variance) with weight and bias, C channels
+template <typename T>
+inline void layer_norm_row(const T* row, const T* weight, const T* bias, double eps, int64_t C, T* out) {
+  T mean = 0, var = 0;
+  for (int64_t c = 0; c < C; ++c) mean += row[c];
+  mean /= C;
+  for (int64_t c = 0; c < C; ++c) var += (row[c] - mean) * (row[c] - mean);
+  const T rstd = T(1) / std::sqrt(var / C + T(eps));
+  for (int64_t c = 0; c < C; ++c) out[c] = (row[c] - mean) * rstd * weight[c] + bias[c];
+}
+
 void check_cpu(const std::vector<torch::Tensor>& tensors, torch::ScalarType dtype, const char* name) {
   for (const auto& t : tensors) {
     TORCH_CHECK(t.device().is_cpu(), name, ": CPU tensors only");
@@ -98,7 +111,7 @@ void check_cpu(const std::vector<torch::Tensor>& tensors, torch::ScalarType dtyp
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> ssm_step(
     torch::Tensor x, torch::Tensor conv, torch::Tensor ssm, torch::Tensor in_proj, torch::Tensor conv_weight,
     torch::Tensor conv_bias, torch::Tensor dt_bias, torch::Tensor A_log, torch::Tensor D, torch::Tensor norm_weight,
-    double eps, torch::Tensor out_proj) {
+    double eps, torch::Tensor out_proj, torch::Tensor x_norm_weight, torch::Tensor x_norm_bias, double x_eps) {
   TORCH_CHECK(x.dim() == 2 && conv.dim() == 3 && ssm.dim() == 4, "ssm_step: expected x (b, D), conv (b, K-1, C) "
               "and ssm (b, H, P, N), got ", x.sizes(), ", ", conv.sizes(), " and ", ssm.sizes());
   const int64_t b = x.size(0), Dm = x.size(1), H = ssm.size(1), P = ssm.size(2), N = ssm.size(3);
@@ -109,10 +122,16 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> ssm_step(
               conv_bias.numel() == C && dt_bias.numel() == H && A_log.numel() == H && D.numel() == H &&
               norm_weight.numel() == I && out_proj.sizes() == torch::IntArrayRef({Dm, I}),
               "ssm_step: parameter shapes do not match the states");
-  check_cpu({x, conv, ssm, in_proj, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, out_proj},
-            x.scalar_type(), "ssm_step");
+  const bool x_normed = x_norm_weight.numel() > 0;
+  TORCH_CHECK(!x_normed || (x_norm_weight.numel() == Dm && x_norm_bias.numel() == Dm),
+              "ssm_step: the norm of x needs a weight and a bias of ", Dm);
   std::vector<torch::Tensor> args{x, conv, ssm, in_proj, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight,
                                   out_proj};
+  if (x_normed) {
+    args.push_back(x_norm_weight);
+    args.push_back(x_norm_bias);
+  }
+  check_cpu(args, x.scalar_type(), "ssm_step");
   for (auto& t : args) t = t.contiguous();
   auto y = torch::empty({b, Dm}, x.options());
   auto conv_new = torch::empty_like(args[1]);
@@ -123,11 +142,18 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> ssm_step(
     const T *w_in = args[3].data_ptr<T>(), *cw = args[4].data_ptr<T>(), *cb = args[5].data_ptr<T>();
     const T *dtb = args[6].data_ptr<T>(), *alog = args[7].data_ptr<T>(), *dskip = args[8].data_ptr<T>();
     const T *nw = args[9].data_ptr<T>(), *w_out = args[10].data_ptr<T>();
+    const T* xw = x_normed ? args[11].data_ptr<T>() : nullptr;
+    const T* xb = x_normed ? args[12].data_ptr<T>() : nullptr;
     T *yp = y.data_ptr<T>(), *cp_new = conv_new.data_ptr<T>(), *sp_new = ssm_new.data_ptr<T>();
     at::parallel_for(0, b, kGrain, [&](int64_t r0, int64_t r1) {
-      std::vector<T> zxbcdt(Z), xbc(C), g(I);
+      std::vector<T> xn(Dm), zxbcdt(Z), xbc(C), g(I);
       for (int64_t r = r0; r < r1; ++r) {
-        linear(xp + r * Dm, w_in, static_cast<const T*>(nullptr), zxbcdt.data(), Z, Dm);
+        const T* row = xp + r * Dm;
+        if (x_normed) {
+          layer_norm_row(row, xw, xb, x_eps, Dm, xn.data());
+          row = xn.data();
+        }
+        linear(row, w_in, static_cast<const T*>(nullptr), zxbcdt.data(), Z, Dm);
         const T* z = zxbcdt.data();
         const T* fresh = z + I;  // this step's conv input (C,)
         const T* dt_raw = fresh + C;
@@ -197,13 +223,8 @@ torch::Tensor feed_forward(torch::Tensor x, torch::Tensor norm_weight, torch::Te
       std::vector<T> xn(C), u(F);
       for (int64_t r = r0; r < r1; ++r) {
         const T* row = xp + r * C;
-        if (normed) {  // F.layer_norm: biased variance
-          T mean = 0, var = 0;
-          for (int64_t c = 0; c < C; ++c) mean += row[c];
-          mean /= C;
-          for (int64_t c = 0; c < C; ++c) var += (row[c] - mean) * (row[c] - mean);
-          const T rstd = T(1) / std::sqrt(var / C + T(eps));
-          for (int64_t c = 0; c < C; ++c) xn[c] = (row[c] - mean) * rstd * nw[c] + nb[c];
+        if (normed) {
+          layer_norm_row(row, nw, nb, eps, C, xn.data());
           row = xn.data();
         }
         linear(row, fw, fb, u.data(), F, C);
