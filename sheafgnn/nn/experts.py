@@ -115,8 +115,7 @@ class FeedForward(nn.Module):
             return _LeanFeedForward.apply(x, fc.weight, fc.bias, proj.weight, proj.bias, *args)
         kernel = self._kernel(x) if plain else None
         if kernel is not None:
-            none = x.new_empty(0)
-            args = (none, none, 0.0) if norm is None else (norm.weight, norm.bias, norm.eps)
+            args = (x.new_empty(0), x.new_empty(0), 0.0) if norm is None else (norm.weight, norm.bias, norm.eps)
             return kernel(x, *args, fc.weight, fc.bias, proj.weight, proj.bias)
         return proj(F.gelu(fc(x if norm is None else norm(x))))
 
