@@ -108,6 +108,19 @@ void check_cpu(const std::vector<torch::Tensor>& tensors, torch::ScalarType dtyp
   }
 }
 
+// A kernel's tensors, then a norm's weight and bias where it has one: checked to be on the CPU in the first one's
+// dtype, and contiguous.
+std::vector<torch::Tensor> checked_args(std::vector<torch::Tensor> args, bool normed, const torch::Tensor& weight,
+                                        const torch::Tensor& bias, const char* name) {
+  if (normed) {
+    args.push_back(weight);
+    args.push_back(bias);
+  }
+  check_cpu(args, args[0].scalar_type(), name);
+  for (auto& t : args) t = t.contiguous();
+  return args;
+}
+
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> ssm_step(
     torch::Tensor x, torch::Tensor conv, torch::Tensor ssm, torch::Tensor in_proj, torch::Tensor conv_weight,
     torch::Tensor conv_bias, torch::Tensor dt_bias, torch::Tensor A_log, torch::Tensor D, torch::Tensor norm_weight,
@@ -125,14 +138,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> ssm_step(
   const bool x_normed = x_norm_weight.numel() > 0;
   TORCH_CHECK(!x_normed || (x_norm_weight.numel() == Dm && x_norm_bias.numel() == Dm),
               "ssm_step: the norm of x needs a weight and a bias of ", Dm);
-  std::vector<torch::Tensor> args{x, conv, ssm, in_proj, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight,
-                                  out_proj};
-  if (x_normed) {
-    args.push_back(x_norm_weight);
-    args.push_back(x_norm_bias);
-  }
-  check_cpu(args, x.scalar_type(), "ssm_step");
-  for (auto& t : args) t = t.contiguous();
+  const auto args = checked_args({x, conv, ssm, in_proj, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight,
+                                   out_proj}, x_normed, x_norm_weight, x_norm_bias, "ssm_step");
   auto y = torch::empty({b, Dm}, x.options());
   auto conv_new = torch::empty_like(args[1]);
   auto ssm_new = torch::empty_like(args[2]);
@@ -204,13 +211,8 @@ torch::Tensor feed_forward(torch::Tensor x, torch::Tensor norm_weight, torch::Te
               proj_weight.sizes() == torch::IntArrayRef({C, F}) && proj_bias.numel() == C &&
               (!normed || (norm_weight.numel() == C && norm_bias.numel() == C)),
               "feed_forward: parameter shapes do not match x (n, ", C, ")");
-  std::vector<torch::Tensor> args{x, fc_weight, fc_bias, proj_weight, proj_bias};
-  if (normed) {
-    args.push_back(norm_weight);
-    args.push_back(norm_bias);
-  }
-  check_cpu(args, x.scalar_type(), "feed_forward");
-  for (auto& t : args) t = t.contiguous();
+  const auto args = checked_args({x, fc_weight, fc_bias, proj_weight, proj_bias}, normed, norm_weight, norm_bias,
+                                  "feed_forward");
   auto out = torch::empty({n, C}, x.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "feed_forward", [&] {
     using T = scalar_t;
