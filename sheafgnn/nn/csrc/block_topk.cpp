@@ -18,23 +18,12 @@
 #include <limits>
 #include <vector>
 
+#include "top_list.h"
+
 namespace {
 
 constexpr int64_t kTile = 32;  // blocks scored at once: kRows x kTile float accumulators fit the vector registers
 constexpr int64_t kRows = 4;   // rows sharing each load of a tile's keys
-
-// Insert (score, index) into a row's top list, kept sorted best first; `size` entries are valid.
-template <typename scalar_t>
-inline void insert(scalar_t score, int64_t index, scalar_t* top, int64_t* pick, int64_t& size, int64_t k) {
-  int64_t i = size < k ? size++ : k - 1;  // a full list drops its worst
-  while (i > 0 && top[i - 1] < score) {   // strict: an equal score stays behind the earlier block
-    top[i] = top[i - 1];
-    pick[i] = pick[i - 1];
-    --i;
-  }
-  top[i] = score;
-  pick[i] = index;
-}
 
 // Scores of `rows` (<= kRows) query rows (r channels each) against one tile of kTile blocks, whose keys are
 // laid out channel-major (`tile`: r x kTile, zero past the last block): s[i][jj] = sum_c q_i[c] * tile[c][jj],
@@ -128,7 +117,7 @@ void block_topk_rows(const scalar_t* query, const scalar_t* tiles, const int64_t
         int64_t* p = out + (a + i) * k;
         for (int64_t jj = from; jj < to; ++jj) {
           const scalar_t v = s[i][jj];
-          if (std::isfinite(v) && (size[i] < k || v > t[k - 1])) insert(v, j0 + jj, t, p, size[i], k);
+          if (std::isfinite(v) && (size[i] < k || v > t[k - 1])) sheafgnn::insert(v, j0 + jj, t, p, size[i], k);
         }
       }
     }

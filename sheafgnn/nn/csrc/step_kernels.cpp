@@ -44,6 +44,8 @@
 #include <tuple>
 #include <vector>
 
+#include "top_list.h"
+
 namespace {
 
 constexpr int64_t kGrain = 8;  // rows per parallel task
@@ -343,16 +345,12 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> stream_po
       std::vector<int64_t> pool(P), pool_type(P), best(m);
       std::vector<T_> best_score(m);
       for (int64_t i = m0; i < m1; ++i) {
-        int64_t chosen = 0;  // the num_blocks best blocks, kept sorted; a later block only passes a better score
+        int64_t chosen = 0;  // the num_blocks best blocks, as block_topk ranks them
         for (int64_t j = 0; j < std::min(m > 0 ? la[i] : 0, J); ++j) {
           const T_ v = dot(bq + i * rb, bk + (j * S + st[i]) * rb, rb);
-          if (!std::isfinite(v) || (chosen == m && !(v > best_score[m - 1]))) continue;
-          int64_t at = chosen < m ? chosen++ : m - 1;
-          while (at > 0 && best_score[at - 1] < v) {
-            best_score[at] = best_score[at - 1], best[at] = best[at - 1];
-            --at;
+          if (std::isfinite(v) && (chosen < m || v > best_score[m - 1])) {
+            sheafgnn::insert(v, j, best_score.data(), best.data(), chosen, m);
           }
-          best_score[at] = v, best[at] = j;
         }
         for (int64_t b = 0; b < m; ++b) {
           for (int64_t t = 0; t < B; ++t) {
