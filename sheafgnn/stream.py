@@ -450,9 +450,8 @@ def compete_outputs(topology: LearnedTopology, query: Tensor, block_query: Tenso
     """
     kernel = None
     # The kernel scores a row's blocks one by one: a step's few rows, not a prompt's (best_blocks' kernel)
-    few = query.size(0) <= cpu_kernels.STEP_ROWS * len(delta.token_streams)
-    dtype = query.dtype in (torch.float32, torch.float64) and query.dtype == topology.type_bias.dtype
-    if few and dtype and not torch.is_grad_enabled() and query.device.type == "cpu":
+    if query.size(0) <= cpu_kernels.STEP_ROWS * len(delta.token_streams) and \
+            cpu_kernels.kernel_inputs(query, topology.type_bias.dtype):
         kernel = cpu_kernels.stream_pools()
     if kernel is None:
         return compete_outputs_reference(topology, query, block_query, sink, delta, cache)

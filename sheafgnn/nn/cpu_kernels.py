@@ -30,6 +30,8 @@ import platform
 import warnings
 from pathlib import Path
 
+import torch
+
 _SOURCES = Path(__file__).parent / "csrc"
 # The step kernels' callers use them up to this many rows (per stream): a generation step's. Above, MKL's matmuls
 # (FeedForward: 14 against 42 us at 1 row, 226 against 116 us at 64) and best_blocks' tiled kernel win.
@@ -67,6 +69,13 @@ def _load(name: str):
                       f"{str(err).strip().splitlines()[-1] if str(err).strip() else ''}); using the PyTorch path. "
                       "Set SHEAFGNN_CPU_KERNELS=0 to skip the build.", RuntimeWarning, stacklevel=3)
         return None
+
+
+def kernel_inputs(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the kernels read ``x`` as its PyTorch path would: inference (no gradients), a CPU tensor of
+    float32 or float64, in the weights' ``dtype``. Each caller adds what its own layer needs."""
+    return not torch.is_grad_enabled() and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) \
+        and x.dtype == dtype
 
 
 def _kernel(source: str, name: str):

@@ -122,8 +122,7 @@ class FeedForward(nn.Module):
     def _kernel(self, x: Tensor):
         """The ``feed_forward`` kernel for the few rows ``x`` of an inference step (CPU, float32/64, the
         weights' dtype), else None."""
-        if torch.is_grad_enabled() or x.size(0) > cpu_kernels.STEP_ROWS or x.device.type != "cpu" or \
-                x.dtype not in (torch.float32, torch.float64) or x.dtype != self.fc.weight.dtype:
+        if x.size(0) > cpu_kernels.STEP_ROWS or not cpu_kernels.kernel_inputs(x, self.fc.weight.dtype):
             return None
         return cpu_kernels.feed_forward()
 

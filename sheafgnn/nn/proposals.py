@@ -148,8 +148,10 @@ def best_blocks(query: Tensor, block_key: Tensor, block_start: Tensor, first: Te
     M = query.size(0)
     if block_start.numel() == 0 or M == 0:
         return torch.full((M, num_blocks), -1, dtype=torch.long, device=query.device)
-    kernel = cpu_kernels.block_topk() if query.device.type == "cpu" and not random_scores else None
-    if kernel is not None and query.dtype in (torch.float32, torch.float64) and query.dtype == block_key.dtype:
+    # the kernel's inputs hold under this function's no_grad: the choice is detached
+    kernel = cpu_kernels.block_topk() if not random_scores and cpu_kernels.kernel_inputs(query, block_key.dtype) \
+        else None
+    if kernel is not None:
         pick = kernel(query, block_key, first, last, num_blocks)  # (M, m)
     else:
         pick = ranked_blocks_reference(query, block_key, first, last, num_blocks, random_scores)

@@ -434,13 +434,12 @@ class SheafConv(MessagePassing):
         r"""The C++ kernel ``glue_diag`` (:mod:`sheafgnn.nn.cpu_kernels`: a step's gluing in one call, not ~40 ops)
         where it computes what :meth:`forward` does (inference on the CPU, sorted typed weighted edges with their
         :obj:`ptr`, diag maps, no stalk mixing, no normalisation, ELU), else None."""
-        inputs = not torch.is_grad_enabled() and isinstance(edge_index, Tensor) and not edge_index.is_sparse and \
-            ptr is not None and edge_type is not None and edge_weight is not None and x.device.type == "cpu"
+        inputs = cpu_kernels.kernel_inputs(x, self.eps.dtype) and isinstance(edge_index, Tensor) and \
+            not edge_index.is_sparse and ptr is not None and edge_type is not None and edge_weight is not None
         layer = self.map_kind == "diag" and self.map_out is None and self.weight_stalk is None and \
             self.normalize == "none" and type(self.act) is nn.ELU and self.act.alpha == 1.0 and \
             type(self.map_lin) is nn.Linear and type(self.map_type_emb) is nn.Embedding and self._fused()
-        dtype = x.dtype == self.eps.dtype and x.dtype in (torch.float32, torch.float64)
-        return cpu_kernels.glue_diag() if inputs and layer and dtype else None
+        return cpu_kernels.glue_diag() if inputs and layer else None
 
     def _fused(self) -> bool:
         r"""Whether :meth:`forward` may skip :meth:`propagate` for the fused

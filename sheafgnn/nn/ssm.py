@@ -331,8 +331,7 @@ class SelectiveSSM(nn.Module):
     def _step_kernel(self, x_t: Tensor, norm: nn.LayerNorm | None):
         """The ``ssm_step`` kernel where it computes what :meth:`step_reference` does (no gradients, CPU,
         float32/64, plain bias-free projections, an affine ``norm`` if any), else None."""
-        if torch.is_grad_enabled() or x_t.device.type != "cpu" or x_t.dtype not in (torch.float32, torch.float64) \
-                or x_t.dtype != self.A_log.dtype or not (norm is None or fusable_norm(norm)):
+        if not cpu_kernels.kernel_inputs(x_t, self.A_log.dtype) or not (norm is None or fusable_norm(norm)):
             return None
         if type(self.in_proj) is not nn.Linear or type(self.out_proj) is not nn.Linear or \
                 self.in_proj.bias is not None or self.out_proj.bias is not None or self.norm.weight is None:
