@@ -48,6 +48,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -55,9 +56,8 @@ from sheafgnn.generation import TokenStream
 from sheafgnn.nn import cpu_kernels
 from sheafgnn.nn.pools import pool_dot
 from sheafgnn.nn.proposals import best_blocks, summarize_blocks, summary_query, summary_width, top_blocks
-from sheafgnn.nn.segment import sort_by_destination
 from sheafgnn.nn.ssm import SSMState
-from sheafgnn.nn.topology import LearnedTopology, rule_pools
+from sheafgnn.nn.topology import LearnedTopology
 from sheafgnn.site.flat import FLAT_TYPES, FlatBlocks
 from sheafgnn.site.schema import CANDIDATE_EDGES, CHAINED_TYPES, COVER_EDGES
 from sheafgnn.site.stream import SiteDelta, SiteStream
@@ -136,6 +136,7 @@ class StreamDelta(FlatBlocks):
     token_stream: Tensor  # (T,) stream of each new token (and output)
     token_reset: Tensor  # (T,) True at each stream's first new token
     token_pos: Tensor  # (T,) position of each new token (and output) in its stream
+    token_block: Tensor  # (T,) its content block (token_pos // proposal_block): the blocks before it are complete
     previous_row: Tensor  # (T,) cache row of the token before each new token (any row at position 0)
     no_previous: Tensor  # (T, 1) True at position 0 (no token before)
     cover_src: Tensor  # (C,) cache row of the token of each cover edge into a new patch
@@ -176,16 +177,17 @@ class SheafStream(TokenStream):
         # One table (ids so far, node types but the outputs (never sources), B) of the cache row of each
         # stream's node of each type by its id in the full site, so that the edges of every type and stream
         # read their sources with one gather, and a batch of proposals its tokens with one. Its rows run to
-        # the largest id of any type (the tokens'): 9 longs per token and stream, ~2% of the caches.
-        self.node_rows = RowBuffer((_OUTPUT, batch_size), torch.long, device)
+        # the largest id of any type (the tokens'): 9 longs per token and stream, ~2% of the caches. On the
+        # host, like the site deltas it indexes (read through NumPy by _delta).
+        self.node_rows = RowBuffer((_OUTPUT, batch_size), torch.long)
         self.num_blocks = [0] * batch_size  # complete content blocks per stream (the same in every cache)
         if model.config.gluing:
             # The position proposals of every position so far (a pure function of the position, the same for
             # every stream and block), grown geometrically: a generation step reads its row instead of ~30 ops.
-            near, types = model.blocks[0].topology.position_proposals(torch.zeros(1, dtype=torch.long, device=device),
-                                                                      torch.zeros(1, dtype=torch.long, device=device))
-            self.position_table = RowBuffer(near.shape[1:], torch.long, device)  # (positions, P1), -1: none
-            self.position_types = types[0]  # (P1,) their edge types, the same at every position
+            near, types = model.blocks[0].topology.position_proposals(torch.zeros(1, dtype=torch.long),
+                                                                      torch.zeros(1, dtype=torch.long))
+            self.position_table = RowBuffer(near.shape[1:], torch.long)  # (positions, P1), -1: none; host
+            self.position_types = types[0].numpy()  # (P1,) their edge types, the same at every position
         self.num_rows = 0
         D, dtype = model.config.d_model, model.token_embedding.weight.dtype
         rank = model.config.topology_rank
@@ -229,7 +231,9 @@ class SheafStream(TokenStream):
     # the flat delta of a batch
     # ------------------------------------------------------------------ #
     def _delta(self, deltas: list[SiteDelta | None]) -> StreamDelta:
-        device, B = self.device, self.batch_size
+        # Index bookkeeping in NumPy on the host tables: a NumPy op on a few integers costs ~0.1-0.7 us where a
+        # PyTorch op costs 2-6 us (a generation step's delta is ~20 of them), and both scale alike on a prompt.
+        B = self.batch_size
         counts = [[d.num_nodes(t) if d is not None else 0 for d in deltas] for t in FLAT_TYPES]
         type_ptr = [0]
         for per_stream in counts:
@@ -237,105 +241,107 @@ class SheafStream(TokenStream):
         # Delta index of stream b's first new node of each type.
         first = {t: [type_ptr[i] + sum(counts[i][:b]) for b in range(B)] for i, t in enumerate(FLAT_TYPES)}
         first_row, self.num_rows = self.num_rows, self.num_rows + type_ptr[_OUTPUT]  # outputs: never sources
-        token_pos, token_stream = self._write_rows(deltas, counts, first, type_ptr, first_row)
-
-        def concat(parts: list[Tensor]) -> Tensor:  # one stream's: as it is
-            return parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
-
-        # Small index tensors from plain lists, one op each (a generation step's cost is its ops' launches).
-        present = [d for d in deltas if d is not None]
-        node_type = torch.tensor([i for i in range(len(FLAT_TYPES)) for _ in range(type_ptr[i + 1] - type_ptr[i])],
-                                 dtype=torch.long, device=device)
-        token_streams = [b for b in range(B) if counts[0][b]]
-        token_reset = [False] * token_pos.numel()
-        for b in token_streams:
-            token_reset[first["token"][b]] = True
-        token_reset = torch.tensor(token_reset, dtype=torch.bool, device=device)
-        token_rows = self.node_rows.data[:, 0]  # (positions, B)
-        no_previous = (token_pos == 0).unsqueeze(1)  # (T, 1)
-        previous_row = token_rows[(token_pos - 1).clamp(min=0), token_stream]  # (T,)
+        table = self._write_rows(deltas, counts, first, first_row)  # (ids, types, B) cache rows
+        token_rows = table[:, 0]  # (positions, B)
+        tokens = [(b, d.first, n) for b, (d, n) in enumerate(zip(deltas, counts[0])) if n]
+        token_pos = np.concatenate([np.arange(start, start + n) for _, start, n in tokens])  # (T,)
+        token_stream = np.repeat([b for b, _, _ in tokens], [n for _, _, n in tokens])  # (T,)
+        token_reset = np.zeros(token_pos.size, dtype=bool)
+        token_reset[[first["token"][b] for b, _, _ in tokens]] = True  # each stream's first new token
+        previous_row = token_rows[np.maximum(token_pos - 1, 0), token_stream]  # (T,); any row at position 0
         cover_src, _, _, cover_ptr = self._edges(deltas, first, COVER_EDGES, type_ptr)
         cover_ptr = cover_ptr[type_ptr[1] : type_ptr[_OUTPUT] + 1]  # over the new patches
         rule_src, rule_dst, rule_type, rule_ptr = self._edges(deltas, first, CANDIDATE_EDGES, type_ptr)
-        into_patch = int(rule_ptr[type_ptr[_OUTPUT]])  # edges into patches: the sorted head
-        patch_rules = (rule_src[:into_patch], rule_dst[:into_patch], rule_type[:into_patch])
+        into_patch = rule_ptr[type_ptr[_OUTPUT]]  # edges into patches: the sorted head
         output_pool = self._output_pool(token_pos, token_stream, token_rows, rule_src[into_patch:],
                                         rule_dst[into_patch:] - type_ptr[_OUTPUT], rule_type[into_patch:])
         chains = [(i * B + b, counts[FLAT_TYPES.index(t)][b]) for i, t in enumerate(CHAINED_TYPES) for b in range(B)
                   if counts[FLAT_TYPES.index(t)][b]]  # (pool row, new patches) of every continued chain
-        chain_sizes = [size for _, size in chains]
-        chain_reset = torch.zeros(sum(chain_sizes), dtype=torch.bool, device=device)
+        chain_reset = np.zeros(sum(size for _, size in chains), dtype=bool)
         if chains:  # most generated tokens close no patch
-            chain_reset[torch.tensor([0] + chain_sizes[:-1], device=device).cumsum(0)] = True
-        new_blocks = self._new_blocks(deltas)
-        return StreamDelta(type_ptr, node_type, concat([d.ids for d in present]),
-                           concat([d.attrs["topic"] for d in present]), concat([d.attrs["workspace"] for d in present]),
-                           first_row, token_streams, token_stream, token_reset, token_pos, previous_row, no_previous,
-                           cover_src, cover_ptr, [row for row, _ in chains], chain_reset, patch_rules, output_pool,
-                           new_blocks, token_rows)
+            chain_reset[np.cumsum([0] + [size for _, size in chains[:-1]])] = True  # each chain's first
+        present = [d for d in deltas if d is not None]
 
-    def _output_pool(self, pos: Tensor, stream: Tensor, token_rows: Tensor, rule_src: Tensor, rule_dst: Tensor,
-                     rule_type: Tensor) -> tuple[Tensor, Tensor]:
-        """The candidates of the new outputs that are the same in every block: their position proposals
-        (:meth:`LearnedTopology.position_proposals`; every block's topology has the model's proposal
-        settings) as cache rows, then their rule pools; (M, P1 + W) each (-1: none)."""
-        near = self._position_proposals(pos)  # (M, P1) positions
-        near = torch.where(near >= 0, token_rows[near.clamp(min=0), stream.unsqueeze(1)], -1)
-        near_types = self.position_types.expand_as(near)
-        rules, rule_types = rule_pools(rule_src, rule_dst, rule_type, pos.numel())
-        return torch.cat([near, rules], 1), torch.cat([near_types, rule_types], 1)
+        def concat(parts: list[Tensor]) -> Tensor:  # one stream's: as it is
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def _position_proposals(self, pos: Tensor) -> Tensor:
-        """:meth:`LearnedTopology.position_proposals` of ``pos`` (M,) from the table, grown to cover every
-        stream's positions so far (the same sources as computing them: the table holds that function's rows)."""
-        needed, table = max(site.num_tokens for site in self.sites), self.position_table
-        if table.size < needed:
-            new = torch.arange(table.size, max(needed, 2 * table.size), device=self.device)
-            table.write(table.extend(new.numel()), self.model.blocks[0].topology.position_proposals(
-                new, torch.zeros_like(new))[0])
-        return table.data[pos]
+        tensor = self._tensor
+        return StreamDelta(
+            type_ptr, tensor(np.repeat(np.arange(len(FLAT_TYPES)), np.diff(type_ptr))),
+            concat([d.ids for d in present]), concat([d.attrs["topic"] for d in present]),
+            concat([d.attrs["workspace"] for d in present]), first_row, [b for b, _, _ in tokens],
+            tensor(token_stream), tensor(token_reset), tensor(token_pos),
+            tensor(token_pos // self.model.config.proposal_block), tensor(previous_row),
+            tensor(token_pos[:, None] == 0), tensor(cover_src), tensor(cover_ptr), [row for row, _ in chains],
+            tensor(chain_reset),
+            (tensor(rule_src[:into_patch]), tensor(rule_dst[:into_patch]), tensor(rule_type[:into_patch])),
+            tuple(map(tensor, output_pool)), self._new_blocks(deltas, token_rows), tensor(token_rows))
 
-    def _write_rows(self, deltas, counts, first, type_ptr, first_row: int) -> tuple[Tensor, Tensor]:
+    def _tensor(self, array: np.ndarray) -> Tensor:
+        """A host array as a tensor on the model's device (on the CPU: the same memory)."""
+        out = torch.from_numpy(array)
+        return out if self.device.type == "cpu" else out.to(self.device)
+
+    def _write_rows(self, deltas, counts, first, first_row: int) -> np.ndarray:
         """Record the cache rows of the new non-output nodes (``first_row`` on, in delta order) in the
-        node table (each new node by its id in the full site, its type and its stream); returns the new
-        tokens' positions and streams."""
-        device = self.device
+        node table (each new node by its id in the full site, its type and its stream); returns the table."""
         self.node_rows.grow_to(max(max(site.num_nodes[t] for t in FLAT_TYPES[:_OUTPUT]) for site in self.sites))
+        table = self.node_rows.data.numpy()  # (ids, types, B): shares the buffer's memory
         for i, t in enumerate(FLAT_TYPES[:_OUTPUT]):  # per type and stream, one run of ids and one of rows
             for b, d in enumerate(deltas):
                 if counts[i][b]:
                     ids, row = slice(d.node_offset[t], d.node_offset[t] + counts[i][b]), first_row + first[t][b]
-                    self.node_rows.data[ids, i, b] = torch.arange(row, row + counts[i][b], device=device)
-        # in plain lists: one op each, where ranges per stream cost several (a generation step has one token)
-        tokens = [(b, d.node_offset["token"], n) for b, (d, n) in enumerate(zip(deltas, counts[0])) if n]
-        token_pos = torch.tensor([p for _, start, n in tokens for p in range(start, start + n)], dtype=torch.long,
-                                 device=device)
-        token_stream = torch.tensor([b for b, _, n in tokens for _ in range(n)], dtype=torch.long, device=device)
-        return token_pos, token_stream
+                    table[ids, i, b] = np.arange(row, row + counts[i][b])
+        return table
 
-    def _edges(self, deltas, first, edge_types, type_ptr) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def _edges(self, deltas, first, edge_types, type_ptr) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Source rows, destination delta indices and type ids of the deltas' edges of the given types
         (``deltas``: per stream, its :class:`~sheafgnn.site.stream.SiteDelta` or None), sorted by
         destination (stably: per destination in ``edge_types`` order, like ``flatten_site``), and the
         destination CSR pointer over the new nodes."""
-        device = self.device
         chunks = [(i, b, d) for i, edge_type in enumerate(edge_types) for b, d in enumerate(deltas)
                   if d is not None and edge_type in d.edges]  # edge-type major, like flatten_site
         if not chunks:  # e.g. the cover edges of a generated token that closes no patch
-            empty = torch.zeros(0, dtype=torch.long, device=device)
-            return empty, empty, empty, torch.zeros(type_ptr[-1] + 1, dtype=torch.long, device=device)
-        index = torch.cat([d.edges[edge_types[i]] for i, _, d in chunks], 1).to(device)  # (2, E) ids per site
-        sizes = torch.tensor([d.edges[edge_types[i]].size(1) for i, _, d in chunks], device=device)
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, empty, empty, np.zeros(type_ptr[-1] + 1, dtype=np.int64)
+        index = np.concatenate([d.edges[edge_types[i]].numpy() for i, _, d in chunks], 1)  # (2, E) ids per site
+        sizes = [d.edges[edge_types[i]].size(1) for i, _, d in chunks]
         # per chunk: edge type, stream, destination shift (site id -> delta index), source type
-        meta = torch.tensor([[i, b, first[edge_types[i][2]][b] - d.node_offset[edge_types[i][2]],
-                              FLAT_TYPES.index(edge_types[i][0])] for i, b, d in chunks], device=device)
-        types, stream, shift, src_type = meta.repeat_interleave(sizes, 0, output_size=index.size(1)).unbind(1)
-        src = self.node_rows.data[index[0], src_type, stream]  # (E,) cache rows
-        edge_index, types, ptr = sort_by_destination(torch.stack([src, index[1] + shift]), types,
-                                                     num_nodes=type_ptr[-1])
-        return edge_index[0], edge_index[1], types, ptr
+        meta = np.array([[i, b, first[edge_types[i][2]][b] - d.node_offset[edge_types[i][2]],
+                          FLAT_TYPES.index(edge_types[i][0])] for i, b, d in chunks])
+        types, stream, shift, src_type = np.repeat(meta, sizes, 0).T
+        src, dst = self.node_rows.data.numpy()[index[0], src_type, stream], index[1] + shift  # (E,) each
+        order = np.argsort(dst, kind="stable")
+        ptr = np.concatenate([[0], np.cumsum(np.bincount(dst, minlength=type_ptr[-1]))])
+        return src[order], dst[order], types[order], ptr
 
-    def _new_blocks(self, deltas) -> list[tuple[int, int, Tensor]]:
+    def _output_pool(self, pos: np.ndarray, stream: np.ndarray, token_rows: np.ndarray, rule_src: np.ndarray,
+                     rule_dst: np.ndarray, rule_type: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The candidates of the new outputs that are the same in every block: their position proposals
+        (:meth:`LearnedTopology.position_proposals`; every block's topology has the model's proposal
+        settings) as cache rows, then their rule pools (:func:`~sheafgnn.nn.topology.rule_pools`, the
+        edges of each output in order); (M, P1 + W) each (-1: none)."""
+        near = self._position_proposals(pos)  # (M, P1) positions
+        near = np.where(near >= 0, token_rows[np.maximum(near, 0), stream[:, None]], -1)
+        degree = np.bincount(rule_dst, minlength=pos.size)  # (M,)
+        slot = np.arange(rule_dst.size) - (np.cumsum(degree) - degree)[rule_dst]  # each edge's column in its row
+        pool = np.full((pos.size, near.shape[1] + degree.max(initial=0)), -1, dtype=np.int64)
+        types = np.zeros_like(pool)
+        pool[:, : near.shape[1]], types[:, : near.shape[1]] = near, self.position_types
+        pool[rule_dst, near.shape[1] + slot], types[rule_dst, near.shape[1] + slot] = rule_src, rule_type
+        return pool, types
+
+    def _position_proposals(self, pos: np.ndarray) -> np.ndarray:
+        """:meth:`LearnedTopology.position_proposals` of ``pos`` (M,) from the table, grown to cover every
+        stream's positions so far (the same sources as computing them: the table holds that function's rows)."""
+        needed, table = max(site.num_tokens for site in self.sites), self.position_table
+        if table.size < needed:
+            new = torch.arange(table.size, max(needed, 2 * table.size))
+            table.write(table.extend(new.numel()), self.model.blocks[0].topology.position_proposals(
+                new, torch.zeros_like(new))[0])
+        return table.data.numpy()[pos]
+
+    def _new_blocks(self, deltas, token_rows: np.ndarray) -> list[tuple[int, int, Tensor]]:
         """Per stream, the index of its first content block completed by this feed and the cache rows
         of the tokens of every such block."""
         B = self.model.config.proposal_block
@@ -345,8 +351,7 @@ class SheafStream(TokenStream):
                 continue
             start, done = self.num_blocks[b], self.sites[b].num_tokens // B  # complete blocks before / after
             if done > start:
-                positions = torch.arange(start * B, done * B, device=self.device)
-                out.append((b, start, self.node_rows.data[positions, 0, b].view(done - start, B)))
+                out.append((b, start, self._tensor(token_rows[start * B : done * B, b].reshape(done - start, B))))
                 self.num_blocks[b] = done
         return out
 
@@ -459,7 +464,7 @@ def compete_outputs(topology: LearnedTopology, query: Tensor, block_query: Tenso
     top, sources, types, weight = kernel(
         query, cache.key.data, sources, types, topology.type_bias, sink, topology.k, math.sqrt(topology.rank),
         summary_query(block_query, topology.block_summary), cache.block_key.data, delta.token_stream,
-        delta.token_pos // B, delta.token_rows, topology.content_blocks, B, topology.content_type)
+        delta.token_block, delta.token_rows, topology.content_blocks, B, topology.content_type)
     _, _, weight = topology._threshold(top, None, weight, sink.unsqueeze(1))
     return sources, types, weight
 
@@ -483,10 +488,10 @@ def _content_proposals(topology: LearnedTopology, block_query: Tensor, delta: St
     chosen by the outputs' ``block_query`` (M, r), and their edge types: the stream's
     :meth:`LearnedTopology.block_proposals`, read as rows of the block-major token table."""
     B, J = topology.block_size, cache.block_key.size
-    pos, stream = delta.token_pos, delta.token_stream  # (M,) each: output i sits at token i
-    blocks = stream_blocks(summary_query(block_query, topology.block_summary), stream, pos // B, cache.block_key.data,
-                           topology.content_blocks,
-                           one_per_stream=pos.numel() == len(delta.token_streams))  # (M, m) block indices
+    stream = delta.token_stream  # (M,): output i sits at token i
+    blocks = stream_blocks(summary_query(block_query, topology.block_summary), stream, delta.token_block,
+                           cache.block_key.data, topology.content_blocks,
+                           one_per_stream=stream.numel() == len(delta.token_streams))  # (M, m) block indices
     if J:
         block_rows = delta.token_rows[: J * B].view(J, B, delta.token_rows.size(1))  # (J, B, streams): by block
         rows = block_rows[blocks.clamp(min=0), :, stream.unsqueeze(1)]  # (M, m, B)
