@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from sheafgnn.nn import cpu_kernels
-from sheafgnn.nn.experts import FeedForward, feed_forward_reference
+from sheafgnn.nn.experts import FeedForward, PatchExperts, feed_forward_reference
 from sheafgnn.nn.proposals import best_blocks, content_blocks, ranked_blocks_reference
 from sheafgnn.nn.segment import sort_by_destination
 from sheafgnn.nn.sheaf import SheafConv
@@ -145,7 +145,7 @@ def test_feed_forward_kernel_equals_the_reference(dtype, rows, normed):
     norm = _random_(torch.nn.LayerNorm(20), g).to(dtype) if normed else None
     x = torch.randn(rows, 20, generator=g, dtype=dtype) * 3
     with torch.no_grad():
-        assert ffn._kernel(x) is not None
+        assert ffn.kernel(x, norm) is not None
         out = ffn(x, norm)
     norm_args = (norm.weight, norm.bias, norm.eps) if normed else ()
     ref = feed_forward_reference(x, ffn.fc.weight, ffn.fc.bias, ffn.proj.weight, ffn.proj.bias, *norm_args)
@@ -155,10 +155,42 @@ def test_feed_forward_kernel_equals_the_reference(dtype, rows, normed):
 
 def test_feed_forward_kernel_only_on_few_rows_without_gradients():
     ffn = FeedForward(8, 16)
-    assert ffn._kernel(torch.randn(2, 8)) is None  # gradients on: the lean autograd function
+    assert ffn.kernel(torch.randn(2, 8), None) is None  # gradients on: the lean autograd function
     with torch.no_grad():
-        assert ffn._kernel(torch.randn(cpu_kernels.STEP_ROWS + 1, 8)) is None  # many rows: MKL's matmuls
-        assert ffn._kernel(torch.randn(2, 8, dtype=torch.float64)) is None  # not the weights' dtype
+        assert ffn.kernel(torch.randn(cpu_kernels.STEP_ROWS + 1, 8), None) is None  # many rows: MKL's matmuls
+        assert ffn.kernel(torch.randn(2, 8, dtype=torch.float64), None) is None  # not the weights' dtype
+
+
+@needs_step_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("counts", [[1, 0, 0, 1], [0, 3, 0, 0], [2, 1, 0, 5], [4, 4, 4, 4]])
+def test_patch_experts_in_one_kernel_call_equal_each_type_by_the_reference(dtype, counts):
+    """PatchExperts in inference on a step's few rows (every present type's expert in one kernel call, types
+    without rows skipped) equals each type's rows through feed_forward_reference."""
+    g = torch.Generator().manual_seed(sum(counts))
+    experts = _random_(PatchExperts(12, num_types=4, hidden_channels=20), g).to(dtype)
+    norm = _random_(torch.nn.LayerNorm(12), g).to(dtype)
+    type_ptr = [0]
+    for c in counts:
+        type_ptr.append(type_ptr[-1] + c)
+    x = torch.randn(type_ptr[-1], 12, generator=g, dtype=dtype) * 3
+    with torch.no_grad():
+        assert experts._fused(x, type_ptr, norm) is not None
+        out, balance = experts(x, type_ptr, norm)
+    ref = torch.cat([feed_forward_reference(x[type_ptr[t] : type_ptr[t + 1]], e.fc.weight, e.fc.bias, e.proj.weight,
+                                            e.proj.bias, norm.weight, norm.bias, norm.eps)
+                     for t, (e,) in enumerate(experts.experts)])
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out, ref, **tol)
+    assert balance.item() == 0.0
+
+
+def test_patch_experts_fuse_only_one_plain_expert_per_type_in_inference():
+    x, type_ptr = torch.randn(3, 8), [0, 2, 3]
+    assert PatchExperts(8, 2, 16)._fused(x, type_ptr, None) is None  # gradients on
+    with torch.no_grad():
+        assert PatchExperts(8, 2, 16, num_experts=2)._fused(x, type_ptr, None) is None  # routed experts
+        assert PatchExperts(8, 2, 16)._fused(torch.randn(cpu_kernels.STEP_ROWS + 1, 8), [0, 1, 17], None) is None
 
 
 @needs_step_kernels
@@ -175,8 +207,16 @@ def test_step_kernels_check_their_input():
     with pytest.raises(RuntimeError, match="expected query"):
         stream_pools(query, keys, torch.zeros(3, 3, dtype=torch.long), types, torch.zeros(1), sink, 2, 2.0, *blocks)
     with pytest.raises(RuntimeError, match="dtype of x"):
-        cpu_kernels.feed_forward()(torch.randn(1, 4), torch.empty(0), torch.empty(0), 0.0, torch.randn(6, 4).double(),
-                                   torch.randn(6), torch.randn(4, 6), torch.randn(4))
+        cpu_kernels.feed_forward()(torch.randn(1, 4), [0, 1], torch.empty(0), torch.empty(0), 0.0,
+                                   [torch.randn(6, 4).double()], [torch.randn(6)], [torch.randn(4, 6)],
+                                   [torch.randn(4)])
+    with pytest.raises(RuntimeError, match="ptr must rise"):
+        cpu_kernels.feed_forward()(torch.randn(3, 4), [0, 2, 1, 3], torch.empty(0), torch.empty(0), 0.0,
+                                   *[[w] * 3 for w in (torch.randn(6, 4), torch.randn(6), torch.randn(4, 6),
+                                                       torch.randn(4))])
+    with pytest.raises(RuntimeError, match="one set of weights per segment"):
+        cpu_kernels.feed_forward()(torch.randn(3, 4), [0, 1, 3], torch.empty(0), torch.empty(0), 0.0,
+                                   [torch.randn(6, 4)], [torch.randn(6)], [torch.randn(4, 6)], [torch.randn(4)])
     with pytest.raises(RuntimeError, match="one entry per row"):
         ssm = SelectiveSSM(8, d_state=2, headdim=4)
         state = ssm.init_state(3)

@@ -109,22 +109,31 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor, norm: nn.LayerNorm | None = None) -> Tensor:
         fc, proj = self.fc, self.proj
-        plain = type(fc) is nn.Linear and type(proj) is nn.Linear and (norm is None or fusable_norm(norm))
-        if torch.is_grad_enabled() and plain:
+        if torch.is_grad_enabled() and self.plain(norm):
             args = (None, None, 0.0) if norm is None else (norm.weight, norm.bias, norm.eps)
             return _LeanFeedForward.apply(x, fc.weight, fc.bias, proj.weight, proj.bias, *args)
-        kernel = self._kernel(x) if plain else None
+        kernel = self.kernel(x, norm)
         if kernel is not None:
-            args = (x.new_empty(0), x.new_empty(0), 0.0) if norm is None else (norm.weight, norm.bias, norm.eps)
-            return kernel(x, *args, fc.weight, fc.bias, proj.weight, proj.bias)
+            return kernel(x, [0, x.size(0)], *kernel_norm(x, norm), [fc.weight], [fc.bias], [proj.weight],
+                          [proj.bias])
         return proj(F.gelu(fc(x if norm is None else norm(x))))
 
-    def _kernel(self, x: Tensor):
+    def plain(self, norm: nn.LayerNorm | None) -> bool:
+        """Plain :class:`~torch.nn.Linear` layers (not quantised) and a norm the fused paths compute."""
+        return type(self.fc) is nn.Linear and type(self.proj) is nn.Linear and (norm is None or fusable_norm(norm))
+
+    def kernel(self, x: Tensor, norm: nn.LayerNorm | None):
         """The ``feed_forward`` kernel for the few rows ``x`` of an inference step (CPU, float32/64, the
-        weights' dtype), else None."""
-        if x.size(0) > cpu_kernels.STEP_ROWS or not cpu_kernels.kernel_inputs(x, self.fc.weight.dtype):
+        weights' dtype, plain layers), else None."""
+        if x.size(0) > cpu_kernels.STEP_ROWS or not self.plain(norm) or \
+                not cpu_kernels.kernel_inputs(x, self.fc.weight.dtype):
             return None
         return cpu_kernels.feed_forward()
+
+
+def kernel_norm(x: Tensor, norm: nn.LayerNorm | None) -> tuple:
+    """The ``feed_forward`` kernel's norm arguments: weight, bias and eps (empty tensors: no norm)."""
+    return (x.new_empty(0), x.new_empty(0), 0.0) if norm is None else (norm.weight, norm.bias, norm.eps)
 
 
 class PatchExperts(nn.Module):
@@ -188,6 +197,9 @@ class PatchExperts(nn.Module):
         if len(type_ptr) != self.num_types + 1 or type_ptr[0] != 0 or type_ptr[-1] != x.size(0):
             raise ValueError(f"PatchExperts: type_ptr must have {self.num_types + 1} entries from 0 to "
                              f"x.size(0) = {x.size(0)} (got {list(type_ptr)})")
+        fused = self._fused(x, type_ptr, norm)
+        if fused is not None:
+            return fused, x.new_zeros(())
         outs, losses = [], []
         if torch.is_grad_enabled():
             # A split, not slices: its backward is one cat, where each slice's would zero-fill x's gradient. A type
@@ -203,6 +215,22 @@ class PatchExperts(nn.Module):
                 losses.append(loss)
         balance = torch.stack(losses).sum() / self.num_types if losses else x.new_zeros(())
         return (torch.cat(outs) if outs else torch.zeros_like(x)), balance
+
+    def _fused(self, x: Tensor, type_ptr: list[int], norm: nn.LayerNorm | None) -> Tensor | None:
+        """Inference on a step's few rows with one expert per type: every present type's expert in one call
+        of the ``feed_forward`` kernel (one module call and slice per type fewer); None where
+        :meth:`FeedForward.kernel` would not run."""
+        if self.routers is not None or torch.is_grad_enabled():
+            return None
+        present = [t for t in range(self.num_types) if type_ptr[t + 1] > type_ptr[t]]
+        experts = [self.experts[t][0] for t in present]
+        kernel = experts[0].kernel(x, norm) if all(expert.plain(norm) for expert in experts) else None
+        if kernel is None:  # (the kernel checks that every expert has the dtype of x)
+            return None
+        return kernel(
+            x, [type_ptr[t] for t in present] + [type_ptr[-1]], *kernel_norm(x, norm),
+            [e.fc.weight for e in experts], [e.fc.bias for e in experts], [e.proj.weight for e in experts],
+            [e.proj.bias for e in experts])
 
     def __repr__(self) -> str:
         return (f"{self.__class__.__name__}({self.channels}, num_types={self.num_types}, "

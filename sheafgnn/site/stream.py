@@ -53,6 +53,7 @@ import bisect
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch_geometric.data import HeteroData
@@ -61,7 +62,6 @@ from sheafgnn.site import rules
 from sheafgnn.site.builder import (
     _EXTRA_ATTRS,
     Spans,
-    _arange,
     _chain_edges,
     _check_ids,
     _cover_edges,
@@ -98,6 +98,7 @@ _WORD_HASH = rules._WORD_HASH.tolist()
 
 Closed = list[tuple]  # closed spans (start token, end token exclusive, extra...)
 _NONE = torch.zeros(0, dtype=torch.long)  # no new nodes: shared, never written (a push of one token mostly has none)
+_NO_EDGES = torch.zeros(2, 0, dtype=torch.long)  # no new edges: shared, never written
 
 
 class _Sentences:
@@ -285,7 +286,9 @@ def _spans(closed: Closed) -> Spans:
 
 
 def _edges(src: list[int], dst: list[int]) -> Tensor:
-    return torch.tensor([src, dst], dtype=torch.long).view(2, -1)
+    if not src:
+        return _NO_EDGES
+    return torch.from_numpy(np.array([src, dst], dtype=np.int64))  # NumPy builds it ~5x faster than torch.tensor
 
 
 @dataclass
@@ -391,7 +394,7 @@ class SiteStream:
         first, n = self.num_tokens, self.num_tokens + ids.numel()
         b, lengths = self.tokenizer.token_bytes(ids)
         data = b.numpy().tobytes()
-        toks = (first + torch.repeat_interleave(_arange(ids.numel()), lengths, output_size=len(data))).tolist()
+        toks = (first + np.repeat(np.arange(ids.numel()), lengths.numpy())).tolist()  # token of each byte
         offsets = dict(self.num_nodes)
         spans, attrs, edges = self._patches(ids, data, toks, offsets)
         edges.update(_cover_edges(spans, offsets))
@@ -414,7 +417,7 @@ class SiteStream:
         links: dict[EdgeType, Tensor] = {}
         sentences = self._sentences.scan(data, toks) if self._sentences is not None else []
         windows = torch.arange(first // config.local_window, n // config.local_window)
-        if config.enabled("local"):
+        if config.enabled("local") and windows.numel():
             spans["local"] = (windows * config.local_window, (windows + 1) * config.local_window)
         if config.enabled("sentence"):
             spans["sentence"] = _spans(sentences)
@@ -474,6 +477,8 @@ class SiteStream:
                 src.extend(e + m for e in earlier)
                 dst.extend([first_node + len(positions)] * len(earlier))
                 positions.append(t)
+        if not positions:
+            return (_NONE, _NONE), _NO_EDGES
         end = torch.tensor(positions, dtype=torch.long) + 1
         return (end - m, end), _edges(src, dst)
 

@@ -7,9 +7,10 @@
 //          empty, x_eps) -> (y (b, D), conv', ssm')
 //     SelectiveSSM.step of layer_norm(x) (of x where x_norm_weight is empty): Z = I + C + H, C = I + 2N,
 //     I = H * P. The states are not modified: new ones are returned.
-// feed_forward(x (n, C), norm_weight, norm_bias (C) or empty, eps, fc_weight (F, C), fc_bias (F),
-//              proj_weight (C, F), proj_bias (C)) -> (n, C)
-//     proj(gelu(fc(layer_norm(x)))), the exact (erf) GELU; no norm where norm_weight is empty.
+// feed_forward(x (n, C), ptr (S + 1), norm_weight, norm_bias (C) or empty, eps, fc_weight [S x (F_s, C)],
+//              fc_bias [S x (F_s)], proj_weight [S x (C, F_s)], proj_bias [S x (C)]) -> (n, C)
+//     proj_s(gelu(fc_s(layer_norm(x)))) on rows ptr[s] to ptr[s + 1] (S feed-forward blocks, e.g. one per node
+//     type, in one call), the exact (erf) GELU; no norm where norm_weight is empty.
 // stream_pools(query, keys, sources (M, P0), types, type_bias, sink, k, root, block_query (M, r'),
 //              block_key (J, S, r'), stream (M,), last (M,), token_rows (n, S), num_blocks, block_size, content_type)
 //     -> (top (M, k'), source (M, k'), type (M, k'), weight (M, k')), k' = min(k, P), P = num_blocks * B + P0
@@ -203,37 +204,52 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> ssm_step(
   return {y, conv_new, ssm_new};
 }
 
-torch::Tensor feed_forward(torch::Tensor x, torch::Tensor norm_weight, torch::Tensor norm_bias, double eps,
-                           torch::Tensor fc_weight, torch::Tensor fc_bias, torch::Tensor proj_weight,
-                           torch::Tensor proj_bias) {
+torch::Tensor feed_forward(torch::Tensor x, std::vector<int64_t> ptr, torch::Tensor norm_weight,
+                           torch::Tensor norm_bias, double eps, std::vector<torch::Tensor> fc_weight,
+                           std::vector<torch::Tensor> fc_bias, std::vector<torch::Tensor> proj_weight,
+                           std::vector<torch::Tensor> proj_bias) {
   TORCH_CHECK(x.dim() == 2, "feed_forward: expected x (n, C), got ", x.sizes());
-  const int64_t n = x.size(0), C = x.size(1), F = fc_weight.size(0);
+  const int64_t n = x.size(0), C = x.size(1), S = static_cast<int64_t>(ptr.size()) - 1;
+  TORCH_CHECK(S >= 1 && ptr[0] == 0 && ptr[S] == n && std::is_sorted(ptr.begin(), ptr.end()),
+              "feed_forward: ptr must rise from 0 to x.size(0) = ", n, ", got ", torch::IntArrayRef(ptr));
+  TORCH_CHECK(static_cast<int64_t>(fc_weight.size()) == S && static_cast<int64_t>(fc_bias.size()) == S &&
+              static_cast<int64_t>(proj_weight.size()) == S && static_cast<int64_t>(proj_bias.size()) == S,
+              "feed_forward: need one set of weights per segment (", S, ")");
   const bool normed = norm_weight.numel() > 0;
-  TORCH_CHECK(fc_weight.sizes() == torch::IntArrayRef({F, C}) && fc_bias.numel() == F &&
-              proj_weight.sizes() == torch::IntArrayRef({C, F}) && proj_bias.numel() == C &&
-              (!normed || (norm_weight.numel() == C && norm_bias.numel() == C)),
-              "feed_forward: parameter shapes do not match x (n, ", C, ")");
-  const auto args = checked_args({x, fc_weight, fc_bias, proj_weight, proj_bias}, normed, norm_weight, norm_bias,
-                                  "feed_forward");
+  TORCH_CHECK(!normed || (norm_weight.numel() == C && norm_bias.numel() == C),
+              "feed_forward: the norm's shapes do not match x (n, ", C, ")");
+  std::vector<std::vector<torch::Tensor>> weights;  // per segment: fc weight, bias, proj weight, bias (+ norm)
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t F = fc_weight[s].size(0);
+    TORCH_CHECK(fc_weight[s].sizes() == torch::IntArrayRef({F, C}) && fc_bias[s].numel() == F &&
+                proj_weight[s].sizes() == torch::IntArrayRef({C, F}) && proj_bias[s].numel() == C,
+                "feed_forward: segment ", s, "'s parameter shapes do not match x (n, ", C, ")");
+    weights.push_back(checked_args({x, fc_weight[s], fc_bias[s], proj_weight[s], proj_bias[s]}, normed,
+                                   norm_weight, norm_bias, "feed_forward"));
+  }
   auto out = torch::empty({n, C}, x.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "feed_forward", [&] {
     using T = scalar_t;
-    const T *xp = args[0].data_ptr<T>(), *fw = args[1].data_ptr<T>(), *fb = args[2].data_ptr<T>();
-    const T *pw = args[3].data_ptr<T>(), *pb = args[4].data_ptr<T>();
-    const T* nw = normed ? args[5].data_ptr<T>() : nullptr;
-    const T* nb = normed ? args[6].data_ptr<T>() : nullptr;
+    const T* xp = weights[0][0].data_ptr<T>();
+    const T* nw = normed ? weights[0][5].data_ptr<T>() : nullptr;
+    const T* nb = normed ? weights[0][6].data_ptr<T>() : nullptr;
     T* op = out.data_ptr<T>();
     at::parallel_for(0, n, kGrain, [&](int64_t r0, int64_t r1) {
-      std::vector<T> xn(C), u(F);
+      std::vector<T> xn(C), u;
+      int64_t s = std::upper_bound(ptr.begin(), ptr.end(), r0) - ptr.begin() - 1;  // the segment of row r0
       for (int64_t r = r0; r < r1; ++r) {
+        while (r >= ptr[s + 1]) ++s;
+        const auto& w = weights[s];
+        const int64_t F = w[1].size(0);
+        u.resize(F);
         const T* row = xp + r * C;
         if (normed) {
           layer_norm_row(row, nw, nb, eps, C, xn.data());
           row = xn.data();
         }
-        linear(row, fw, fb, u.data(), F, C);
+        linear(row, w[1].data_ptr<T>(), w[2].data_ptr<T>(), u.data(), F, C);
         for (int64_t f = 0; f < F; ++f) u[f] = T(0.5) * u[f] * (T(1) + std::erf(u[f] * T(M_SQRT1_2)));
-        linear(u.data(), pw, pb, op + r * C, C, F);
+        linear(u.data(), w[3].data_ptr<T>(), w[4].data_ptr<T>(), op + r * C, C, F);
       }
     });
   });
