@@ -427,19 +427,15 @@ def select_streamed(topology: LearnedTopology, h: Tensor, delta: StreamDelta,
     # Outputs: one dense pool each (content proposals, then the rest), as LearnedTopology._output_pool.
     q_out = q[out0:]  # (M, r)
     block_query = topology.block_query(h[out0:]) if topology.block_scorer else q_out
-    sources, types, weight = compete_outputs(topology, q_out, block_query, topology.sink[delta.node_type[out0:]],
-                                             delta, cache)  # (M, k) each
-    # Every output's k columns, the padding of a short pool too: its weight is 0 and its source a real row
-    # (row 0), so its message and its share of L_vv are exact zeros (filtering them cost 9 ops a block).
-    out_dst = torch.arange(out0, out0 + q_out.size(0), device=q.device).repeat_interleave(sources.size(1))
-    output_edges = (sources.flatten(), out_dst, types.flatten(), weight.flatten())
+    output_edges = compete_outputs(topology, q_out, block_query, topology.sink[delta.node_type[out0:]], delta,
+                                   cache, out0)
     if patch_edges is None or patch_edges[0].numel() == 0:
         return output_edges
     return tuple(torch.cat([a, b]) for a, b in zip(patch_edges, output_edges))
 
 
 def compete_outputs(topology: LearnedTopology, query: Tensor, block_query: Tensor, sink: Tensor, delta: StreamDelta,
-                    cache: LayerCache) -> tuple[Tensor, Tensor, Tensor]:
+                    cache: LayerCache, first_dst: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The competition of a delta's M new outputs, as :meth:`LearnedTopology._output_pool` and
     :meth:`~LearnedTopology.compete_dense` hold it in the full forward: each output's pool is its content
     proposals (the tokens of the blocks its ``block_query`` (M, r) ranks best among its stream's cached block
@@ -450,8 +446,11 @@ def compete_outputs(topology: LearnedTopology, query: Tensor, block_query: Tenso
     reference, :func:`compete_outputs_reference`.
 
     Returns:
-        the kept candidates' source rows, edge types and weights, (M, k) each (a short pool's padding:
-        row 0 with weight 0).
+        the edges into the outputs, ``k`` per output (or its pool's size) in output order, into delta indices
+        ``first_dst, ..., first_dst + M - 1``: source rows, destinations, edge types and weights, (M k,) each.
+        The padding of a short pool (and a candidate under ``sink_threshold``) is kept with weight 0 and a real
+        source (row 0 for padding), so its message and its share of L_vv are exact zeros (filtering them cost
+        9 ops a block).
     """
     kernel = None
     # The kernel scores a row's blocks one by one: a step's few rows, not a prompt's (best_blocks' kernel)
@@ -459,27 +458,27 @@ def compete_outputs(topology: LearnedTopology, query: Tensor, block_query: Tenso
             cpu_kernels.kernel_inputs(query, topology.type_bias.dtype):
         kernel = cpu_kernels.stream_pools()
     if kernel is None:
-        return compete_outputs_reference(topology, query, block_query, sink, delta, cache)
-    B, (sources, types) = topology.block_size, delta.output_pool
-    top, sources, types, weight = kernel(
-        query, cache.key.data, sources, types, topology.type_bias, sink, topology.k, math.sqrt(topology.rank),
-        summary_query(block_query, topology.block_summary), cache.block_key.data, delta.token_stream,
-        delta.token_block, delta.token_rows, topology.content_blocks, B, topology.content_type)
-    _, _, weight = topology._threshold(top, None, weight, sink.unsqueeze(1))
-    return sources, types, weight
+        return compete_outputs_reference(topology, query, block_query, sink, delta, cache, first_dst)
+    sources, types = delta.output_pool
+    return kernel(query, cache.key.data, sources, types, topology.type_bias, sink, topology.k,
+                  math.sqrt(topology.rank), topology.sink_threshold, summary_query(block_query, topology.block_summary),
+                  cache.block_key.data, delta.token_stream, delta.token_block, delta.token_rows,
+                  topology.content_blocks, topology.block_size, topology.content_type, first_dst)
 
 
 def compete_outputs_reference(topology: LearnedTopology, query: Tensor, block_query: Tensor, sink: Tensor,
-                              delta: StreamDelta, cache: LayerCache) -> tuple[Tensor, Tensor, Tensor]:
+                              delta: StreamDelta, cache: LayerCache,
+                              first_dst: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`compete_outputs` as PyTorch ops: the pools, their scores (:func:`~sheafgnn.nn.pools.pool_dot`),
-    :meth:`LearnedTopology.compete_dense`, and the kept columns' sources and types."""
+    :meth:`LearnedTopology.compete_dense`, and the kept columns as edges."""
     sources, types = delta.output_pool
     if topology.content_blocks:
         far, far_types = _content_proposals(topology, block_query, delta, cache)
         sources, types = torch.cat([far, sources], 1), torch.cat([far_types, types], 1)
     score = topology._score(pool_dot(query, cache.key.data, sources.clamp(min=0)), types)  # (M, P)
     _, pick, weight = topology.compete_dense(score.masked_fill(sources < 0, float("-inf")), sink.unsqueeze(1))
-    return sources.gather(1, pick).clamp(min=0), types.gather(1, pick), weight
+    dst = torch.arange(first_dst, first_dst + pick.size(0), device=pick.device).repeat_interleave(pick.size(1))
+    return sources.gather(1, pick).clamp(min=0).flatten(), dst, types.gather(1, pick).flatten(), weight.flatten()
 
 
 def _content_proposals(topology: LearnedTopology, block_query: Tensor, delta: StreamDelta,

@@ -198,8 +198,8 @@ def test_step_kernels_check_their_input():
     stream_pools = cpu_kernels.stream_pools()
     query, keys = torch.randn(2, 4), torch.randn(5, 4)
     types, sink = torch.zeros(2, 3, dtype=torch.long), torch.zeros(2)
-    blocks = (query, torch.randn(2, 1, 4), torch.zeros(2, dtype=torch.long), torch.full((2,), 2),
-              torch.full((8, 1), 7), 1, 4, 0)  # two complete blocks of 4 tokens, one stream: token rows past the keys
+    blocks = (False, query, torch.randn(2, 1, 4), torch.zeros(2, dtype=torch.long), torch.full((2,), 2),
+              torch.full((8, 1), 7), 1, 4, 0, 0)  # two complete blocks of 4 tokens, one stream: token rows past keys
     with pytest.raises(RuntimeError, match="past the 5 key rows"):
         stream_pools(query, keys, torch.full((2, 3), 5), types, torch.zeros(1), sink, 2, 2.0, *blocks)
     with pytest.raises(RuntimeError, match="a token row past the 5 key rows"):

@@ -8,9 +8,11 @@
         one step of every chain's selective SSM recurrence (SelectiveSSM.step)
     feed_forward(x (n, C), norm_weight, norm_bias, eps, fc_weight, fc_bias, proj_weight, proj_bias) -> (n, C)
         proj(gelu(fc(layer_norm(x)))) on the few rows of a generation step (FeedForward)
-    stream_pools(query, keys, sources, types, type_bias, sink, k, root, block_query, block_key, stream, last,
-                 token_rows, num_blocks, block_size, content_type) -> (top, source, type, weight), (M, k) each
-        the competition of a stream batch's new outputs, content proposals included (stream.compete_outputs)
+    stream_pools(query, keys, sources, types, type_bias, sink, k, root, sink_threshold, block_query, block_key,
+                 stream, last, token_rows, num_blocks, block_size, content_type, first_dst)
+                 -> (source, dst, type, weight), (M k,) each
+        the competition of a stream batch's new outputs, content proposals included, as the edges into them
+        (stream.compete_outputs)
     glue_diag(x (N, D), src, ptr, edge_type, edge_weight, map_lin, map_type_emb, weight_channel, eps) -> (N, D)
         SheafConv with diag maps in inference, edges sorted by destination (SheafConv.forward)
 

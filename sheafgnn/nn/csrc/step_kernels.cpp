@@ -11,16 +11,17 @@
 //              fc_bias [S x (F_s)], proj_weight [S x (C, F_s)], proj_bias [S x (C)]) -> (n, C)
 //     proj_s(gelu(fc_s(layer_norm(x)))) on rows ptr[s] to ptr[s + 1] (S feed-forward blocks, e.g. one per node
 //     type, in one call), the exact (erf) GELU; no norm where norm_weight is empty.
-// stream_pools(query, keys, sources (M, P0), types, type_bias, sink, k, root, block_query (M, r'),
-//              block_key (J, S, r'), stream (M,), last (M,), token_rows (n, S), num_blocks, block_size, content_type)
-//     -> (top (M, k'), source (M, k'), type (M, k'), weight (M, k')), k' = min(k, P), P = num_blocks * B + P0
+// stream_pools(query, keys, sources (M, P0), types, type_bias, sink, k, root, sink_threshold, block_query (M, r'),
+//              block_key (J, S, r'), stream (M,), last (M,), token_rows (n, S), num_blocks, block_size, content_type,
+//              first_dst) -> (source, dst, type, weight), (M k',) each, k' = min(k, P), P = num_blocks * B + P0
 //     LearnedTopology's dense competition of every new output of a stream batch. Row m's pool: its content
 //     proposals, the tokens (rows token_rows[jB + t, stream_m]) of the num_blocks best blocks j < last_m of its
 //     stream by <block_query_m, block_key[j, stream_m]> (best first, equal scores: the lower block; -1 past the
 //     blocks chosen), then its other candidates ``sources`` (-1: padding). Score s_p = <query_m, keys[pool_p]> /
 //     root + type_bias[type_p] (-inf at padding); kept: the k' best in the order of a stable descending sort
-//     (equal scores: the lower column), weighted by softmax([top_m, sink_m]) without the sink's; returned as their
-//     scores, sources (padding: row 0, with weight 0), types and weights.
+//     (equal scores: the lower column), weighted by softmax([top_m, sink_m]) without the sink's, and with
+//     sink_threshold weight 0 where the score is <= sink_m; returned as the edges into the outputs, row m's k'
+//     edges into first_dst + m: their sources (padding: row 0, with weight 0), destinations, types and weights.
 //
 // glue_diag(x (N, d * f), src (E,), ptr (N + 1,), edge_type (E,), edge_weight (E,), map_lin (2d, d * f),
 //           map_type_emb (T, d), weight_channel (f, f), eps (d,)) -> (N, d * f)
@@ -297,9 +298,9 @@ struct Competition {
 
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> stream_pools(
     torch::Tensor query, torch::Tensor keys, torch::Tensor sources, torch::Tensor types, torch::Tensor type_bias,
-    torch::Tensor sink, int64_t k, double root, torch::Tensor block_query, torch::Tensor block_key,
-    torch::Tensor stream, torch::Tensor last, torch::Tensor token_rows, int64_t num_blocks, int64_t block_size,
-    int64_t content_type) {
+    torch::Tensor sink, int64_t k, double root, bool sink_threshold, torch::Tensor block_query,
+    torch::Tensor block_key, torch::Tensor stream, torch::Tensor last, torch::Tensor token_rows, int64_t num_blocks,
+    int64_t block_size, int64_t content_type, int64_t first_dst) {
   TORCH_CHECK(query.dim() == 2 && keys.dim() == 2 && query.size(1) == keys.size(1) && sources.dim() == 2 &&
               sources.size(0) == query.size(0) && types.sizes() == sources.sizes() && sink.numel() == query.size(0),
               "stream_pools: expected query (M, r), keys (R, r), sources and types (M, P0), sink (M,), got ",
@@ -346,10 +347,10 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> stream_po
   for (int64_t i = 0; m > 0 && i < M; ++i) TORCH_CHECK(st[i] >= 0 && st[i] < S, "stream_pools: a stream past ", S);
   std::atomic<bool> bad_row{false};  // a token row of a chosen block past the keys (only those are read)
   const int64_t kk = std::min(k, P);
-  auto top = torch::empty({M, kk}, query.options());
-  auto source = torch::empty({M, kk}, sources.options());
-  auto type = torch::empty({M, kk}, sources.options());
-  auto weight = torch::empty({M, kk}, query.options());
+  auto source = torch::empty({M * kk}, sources.options());
+  auto dst = torch::empty({M * kk}, sources.options());
+  auto type = torch::empty({M * kk}, sources.options());
+  auto weight = torch::empty({M * kk}, query.options());
   AT_DISPATCH_FLOATING_TYPES(query.scalar_type(), "stream_pools", [&] {
     using T_ = scalar_t;
     const T_ *q = query.data_ptr<T_>(), *kp = keys.data_ptr<T_>(), *bias = type_bias.data_ptr<T_>();
@@ -359,7 +360,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> stream_po
     at::parallel_for(0, M, kGrain, [&](int64_t m0, int64_t m1) {
       Competition<T_> row(P);
       std::vector<int64_t> pool(P), pool_type(P), best(m);
-      std::vector<T_> best_score(m);
+      std::vector<T_> best_score(m), top(kk);
       for (int64_t i = m0; i < m1; ++i) {
         int64_t chosen = 0;  // the num_blocks best blocks, as block_topk ranks them
         for (int64_t j = 0; j < std::min(m > 0 ? la[i] : 0, J); ++j) {
@@ -378,16 +379,19 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> stream_po
         std::copy(src + i * P0, src + (i + 1) * P0, pool.begin() + m * B);
         std::copy(typ + i * P0, typ + (i + 1) * P0, pool_type.begin() + m * B);
         row.score(q + i * r, kp, r, pool.data(), pool_type.data(), bias, root);
-        row.compete(kk, sk[i], top.data_ptr<T_>() + i * kk, weight.data_ptr<T_>() + i * kk);
+        T_* w = weight.data_ptr<T_>() + i * kk;
+        row.compete(kk, sk[i], top.data(), w);
         for (int64_t c = 0; c < kk; ++c) {
+          if (sink_threshold && top[c] <= sk[i]) w[c] = T_(0);  // the sink outscores it: not kept
           source.data_ptr<int64_t>()[i * kk + c] = std::max<int64_t>(pool[row.order[c]], 0);
+          dst.data_ptr<int64_t>()[i * kk + c] = first_dst + i;
           type.data_ptr<int64_t>()[i * kk + c] = pool_type[row.order[c]];
         }
       }
     });
   });
   TORCH_CHECK(!bad_row, "stream_pools: a token row past the ", R, " key rows");
-  return {top, source, type, weight};
+  return {source, dst, type, weight};
 }
 
 torch::Tensor glue_diag(torch::Tensor x, torch::Tensor src, torch::Tensor ptr, torch::Tensor edge_type,
