@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from sheafgnn.generation import TokenStream
 from sheafgnn.nn import cpu_kernels
@@ -397,18 +397,14 @@ def select_streamed(topology: LearnedTopology, h: Tensor, delta: StreamDelta,
         output has ``k`` edges (or its pool's size), those past its pool's candidates with weight 0.
     """
     num_rows, first = delta.type_ptr[_OUTPUT], delta.first_row
-    tok = delta.block("token")
-    q = topology.query(h)  # (N, r)
-    key = topology.key(h[:num_rows])  # (rows, r)
-    previous = cache.state.data[delta.previous_row].masked_fill_(delta.no_previous, 0.0)  # (T, D)
-    key[tok].add_(topology.key_previous(previous))
+    q, key = new_queries_and_keys(topology, h, delta, cache)  # (N, r), (rows, r)
     cache.key.extend(num_rows)
     cache.key.write(first, key)
     block_keys = cache.key
     if topology.block_scorer:
         block_keys = cache.block_token_key
         block_keys.extend(num_rows)
-        block_keys.write(first, topology.block_token_keys(h[tok], previous))
+        block_keys.write(first, topology.block_token_keys(h[delta.block("token")], _previous_states(delta, cache)))
     if delta.new_blocks:
         cache.block_key.grow_to(max(start + members.size(0) for _, start, members in delta.new_blocks))
         for b, start, members in delta.new_blocks:
@@ -432,6 +428,39 @@ def select_streamed(topology: LearnedTopology, h: Tensor, delta: StreamDelta,
     if patch_edges is None or patch_edges[0].numel() == 0:
         return output_edges
     return tuple(torch.cat([a, b]) for a, b in zip(patch_edges, output_edges))
+
+
+def new_queries_and_keys(topology: LearnedTopology, h: Tensor, delta: StreamDelta,
+                         cache: LayerCache) -> tuple[Tensor, Tensor]:
+    """The learned topology's queries (N, r) of a delta's new nodes ``h`` (N, D) and keys (rows, r) of its
+    non-output ones, as :meth:`LearnedTopology._keys` holds them: a token's key also reads the cached state of
+    the token before it (nothing at position 0). Without gradients, on the CPU, for at most
+    :data:`~sheafgnn.nn.cpu_kernels.STEP_ROWS` new nodes per stream, one call of the C++ kernel ``stream_keys``
+    (:mod:`sheafgnn.nn.cpu_kernels`: ~10 ops a block in one); elsewhere, and as the reference,
+    :func:`new_queries_and_keys_reference`."""
+    layers = (topology.query, topology.key, topology.key_previous)
+    kernel = None
+    if h.size(0) <= cpu_kernels.STEP_ROWS * len(delta.token_streams) and \
+            all(type(layer) is nn.Linear for layer in layers) and \
+            cpu_kernels.kernel_inputs(h, topology.query.weight.dtype):
+        kernel = cpu_kernels.stream_keys()
+    if kernel is None:
+        return new_queries_and_keys_reference(topology, h, delta, cache)
+    return kernel(h, cache.state.data, delta.previous_row, delta.no_previous, delta.type_ptr[_OUTPUT],
+                  *(layer.weight for layer in layers))
+
+
+def new_queries_and_keys_reference(topology: LearnedTopology, h: Tensor, delta: StreamDelta,
+                                   cache: LayerCache) -> tuple[Tensor, Tensor]:
+    """:func:`new_queries_and_keys` as PyTorch ops."""
+    key = topology.key(h[: delta.type_ptr[_OUTPUT]])  # (rows, r)
+    key[delta.block("token")].add_(topology.key_previous(_previous_states(delta, cache)))
+    return topology.query(h), key
+
+
+def _previous_states(delta: StreamDelta, cache: LayerCache) -> Tensor:
+    """(T, D) the cached state of the token before each new token (zero at position 0)."""
+    return cache.state.data[delta.previous_row].masked_fill_(delta.no_previous, 0.0)
 
 
 def compete_outputs(topology: LearnedTopology, query: Tensor, block_query: Tensor, sink: Tensor, delta: StreamDelta,

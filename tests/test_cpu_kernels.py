@@ -206,6 +206,13 @@ def test_step_kernels_check_their_input():
         stream_pools(query, keys, torch.zeros(2, 3, dtype=torch.long), types, torch.zeros(1), sink, 2, 2.0, *blocks)
     with pytest.raises(RuntimeError, match="expected query"):
         stream_pools(query, keys, torch.zeros(3, 3, dtype=torch.long), types, torch.zeros(1), sink, 2, 2.0, *blocks)
+    w = torch.randn(3, 4)
+    with pytest.raises(RuntimeError, match="a previous row past the 5 cached rows"):
+        cpu_kernels.stream_keys()(torch.randn(2, 4), torch.randn(5, 4), torch.tensor([5]), torch.tensor([False]), 1,
+                                  w, w, w)
+    with pytest.raises(RuntimeError, match="three"):
+        cpu_kernels.stream_keys()(torch.randn(2, 4), torch.randn(5, 4), torch.tensor([0]), torch.tensor([True]), 1,
+                                  w, w, w.T)
     with pytest.raises(RuntimeError, match="dtype of x"):
         cpu_kernels.feed_forward()(torch.randn(1, 4), [0, 1], torch.empty(0), torch.empty(0), 0.0,
                                    [torch.randn(6, 4).double()], [torch.randn(6)], [torch.randn(4, 6)],

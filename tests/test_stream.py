@@ -7,7 +7,13 @@ from sheafgnn import stream as stream_module
 from sheafgnn.model import SheafStateLM
 from sheafgnn.nn import cpu_kernels
 from sheafgnn.site import build_site
-from sheafgnn.stream import RowBuffer, compete_outputs, compete_outputs_reference
+from sheafgnn.stream import (
+    RowBuffer,
+    compete_outputs,
+    compete_outputs_reference,
+    new_queries_and_keys,
+    new_queries_and_keys_reference,
+)
 
 from .conftest import CODE, PROSE, small_model_config
 
@@ -80,6 +86,33 @@ def test_compete_outputs_kernel_equals_the_reference(monkeypatch, full_config, b
     stream.generate(5, generator=torch.Generator().manual_seed(0))
     assert len(checked) == 7 * len(model.blocks) and min(checked) > 0
 
+
+
+@pytest.mark.skipif(cpu_kernels.stream_keys() is None, reason="the step kernels are disabled or could not be built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_new_queries_and_keys_kernel_equals_the_reference(monkeypatch, full_config, dtype):
+    """The topology's queries and keys of every delta of a batch of streams (a first feed of a few tokens, from
+    position 0; a prompt; pieces; generated tokens): the kernel gives the PyTorch composition's."""
+    model = _model(full_config).to(dtype)
+    kernel_calls = []
+
+    def both(topology, h, delta, cache):
+        kept = new_queries_and_keys(topology, h, delta, cache)
+        reference = new_queries_and_keys_reference(topology, h, delta, cache)
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(kept, reference, **tol)
+        kernel_calls.append(h.size(0) <= cpu_kernels.STEP_ROWS * len(delta.token_streams))
+        return kept
+
+    monkeypatch.setattr(stream_module, "new_queries_and_keys", both)
+    ids = torch.tensor(list((PROSE + CODE).encode()))
+    stream = model.stream(batch_size=2)
+    for a, b in ((0, 3), (3, 90), (90, 97)):
+        stream.feed([ids[a:b], ids[a // 3 : b // 3]])
+    stream.generate(5, generator=torch.Generator().manual_seed(0))
+    # the kernel: the first feed and the 5 generated tokens; the prompt and the last piece (with its patches, over
+    # STEP_ROWS rows a stream) run the reference only
+    assert kernel_calls == [True] * 2 + [False] * 4 + [True] * 10
 
 def test_stream_of_the_ssm_ablation(full_config):
     model = _model(full_config, gluing=False)

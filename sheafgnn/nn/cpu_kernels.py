@@ -13,6 +13,9 @@
                  -> (source, dst, type, weight), (M k,) each
         the competition of a stream batch's new outputs, content proposals included, as the edges into them
         (stream.compete_outputs)
+    stream_keys(h (N, D), state (R, D), previous_row (T,), no_previous (T,), num_rows, query_weight, key_weight,
+                key_previous_weight) -> (query (N, r), key (num_rows, r))
+        the learned topology's queries and keys of a stream batch's new nodes (stream.new_queries_and_keys)
     glue_diag(x (N, D), src, ptr, edge_type, edge_weight, map_lin, map_type_emb, weight_channel, eps) -> (N, D)
         SheafConv with diag maps in inference, edges sorted by destination (SheafConv.forward)
 
@@ -110,3 +113,8 @@ def glue_diag():
 def stream_pools():
     """The ``stream_pools`` kernel (see the module docstring), or None: disabled or not buildable."""
     return _kernel("step_kernels", "stream_pools")
+
+
+def stream_keys():
+    """The ``stream_keys`` kernel (see the module docstring), or None: disabled or not buildable."""
+    return _kernel("step_kernels", "stream_keys")

@@ -23,6 +23,12 @@
 //     sink_threshold weight 0 where the score is <= sink_m; returned as the edges into the outputs, row m's k'
 //     edges into first_dst + m: their sources (padding: row 0, with weight 0), destinations, types and weights.
 //
+// stream_keys(h (N, D), state (R, D), previous_row (T,), no_previous (T,), num_rows, query_weight,
+//             key_weight, key_previous_weight (r, D)) -> (query (N, r), key (num_rows, r))
+//     LearnedTopology's projections of a stream batch's new nodes: query = h Wq^T for every node; key = h Wk^T
+//     for the first num_rows (the non-outputs), plus, for the first T (the tokens), state[previous_row] Wp^T,
+//     the cached state of the token before (nothing where no_previous: position 0).
+//
 // glue_diag(x (N, d * f), src (E,), ptr (N + 1,), edge_type (E,), edge_weight (E,), map_lin (2d, d * f),
 //           map_type_emb (T, d), weight_channel (f, f), eps (d,)) -> (N, d * f)
 //     SheafConv with diag maps, no map hidden layer, no stalk mixing, normalize "none" and ELU, for edges sorted
@@ -466,6 +472,58 @@ torch::Tensor glue_diag(torch::Tensor x, torch::Tensor src, torch::Tensor ptr, t
   return out;
 }
 
+// stream_keys: the new nodes' topology queries and keys (see the top of the file).
+std::tuple<torch::Tensor, torch::Tensor> stream_keys(torch::Tensor h, torch::Tensor state, torch::Tensor previous_row,
+                                                     torch::Tensor no_previous, int64_t num_rows,
+                                                     torch::Tensor query_weight, torch::Tensor key_weight,
+                                                     torch::Tensor key_previous_weight) {
+  TORCH_CHECK(h.dim() == 2 && state.dim() == 2 && state.size(1) == h.size(1) && previous_row.dim() == 1 &&
+              no_previous.numel() == previous_row.numel() && previous_row.numel() <= num_rows &&
+              num_rows <= h.size(0), "stream_keys: expected h (N, D), state (R, D), previous_row and no_previous "
+              "(T,), T <= num_rows <= N, got ", h.sizes(), ", ", state.sizes(), ", ", previous_row.sizes(), ", ",
+              no_previous.sizes(), ", ", num_rows);
+  const int64_t N = h.size(0), D = h.size(1), r = query_weight.size(0), T = previous_row.numel();
+  const int64_t R = state.size(0);
+  TORCH_CHECK(query_weight.sizes() == torch::IntArrayRef({r, D}) && key_weight.sizes() == query_weight.sizes() &&
+              key_previous_weight.sizes() == query_weight.sizes(),
+              "stream_keys: expected three (r, D) weights, got ", query_weight.sizes(), ", ", key_weight.sizes(),
+              ", ", key_previous_weight.sizes());
+  check_cpu({h, state, query_weight, key_weight, key_previous_weight}, h.scalar_type(), "stream_keys");
+  h = h.contiguous();
+  state = state.contiguous();
+  query_weight = query_weight.contiguous();
+  key_weight = key_weight.contiguous();
+  key_previous_weight = key_previous_weight.contiguous();
+  previous_row = previous_row.to(torch::kLong).contiguous();
+  no_previous = no_previous.to(torch::kBool).contiguous();
+  const int64_t* prev = previous_row.data_ptr<int64_t>();
+  const bool* none = no_previous.data_ptr<bool>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(none[t] || (prev[t] >= 0 && prev[t] < R), "stream_keys: a previous row past the ", R, " cached rows");
+  }
+  auto query = torch::empty({N, r}, h.options());
+  auto key = torch::empty({num_rows, r}, h.options());
+  AT_DISPATCH_FLOATING_TYPES(h.scalar_type(), "stream_keys", [&] {
+    using T_ = scalar_t;
+    const T_ *hp = h.data_ptr<T_>(), *sp = state.data_ptr<T_>(), *wq = query_weight.data_ptr<T_>();
+    const T_ *wk = key_weight.data_ptr<T_>(), *wp = key_previous_weight.data_ptr<T_>();
+    T_ *qp = query.data_ptr<T_>(), *kp = key.data_ptr<T_>();
+    at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
+      std::vector<T_> from_previous(r);
+      for (int64_t n = n0; n < n1; ++n) {
+        linear(hp + n * D, wq, static_cast<const T_*>(nullptr), qp + n * r, r, D);
+        if (n >= num_rows) continue;  // outputs: never sources, no key
+        linear(hp + n * D, wk, static_cast<const T_*>(nullptr), kp + n * r, r, D);
+        if (n < T && !none[n]) {  // a token's key also reads the token before it
+          linear(sp + prev[n] * D, wp, static_cast<const T_*>(nullptr), from_previous.data(), r, D);
+          for (int64_t i = 0; i < r; ++i) kp[n * r + i] += from_previous[i];
+        }
+      }
+    });
+  });
+  return {query, key};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -473,4 +531,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("feed_forward", &feed_forward, "proj(gelu(fc(layer_norm(x)))) on a few rows (see step_kernels.cpp)");
   m.def("glue_diag", &glue_diag, "SheafConv with diag maps for inference (see step_kernels.cpp)");
   m.def("stream_pools", &stream_pools, "The competition of a stream batch's new outputs (see step_kernels.cpp)");
+  m.def("stream_keys", &stream_keys, "The topology queries and keys of new nodes (see step_kernels.cpp)");
 }
