@@ -430,6 +430,10 @@ def select_streamed(topology: LearnedTopology, h: Tensor, delta: StreamDelta,
     return tuple(torch.cat([a, b]) for a, b in zip(patch_edges, output_edges))
 
 
+# What new_queries_and_keys reads of the topology: its projections (to check), then their weights.
+_KEY_ARGUMENTS = ("query", "key", "key_previous", "query.weight", "key.weight", "key_previous.weight")
+
+
 def new_queries_and_keys(topology: LearnedTopology, h: Tensor, delta: StreamDelta,
                          cache: LayerCache) -> tuple[Tensor, Tensor]:
     """The learned topology's queries (N, r) of a delta's new nodes ``h`` (N, D) and keys (rows, r) of its
@@ -438,16 +442,15 @@ def new_queries_and_keys(topology: LearnedTopology, h: Tensor, delta: StreamDelt
     :data:`~sheafgnn.nn.cpu_kernels.STEP_ROWS` new nodes per stream, one call of the C++ kernel ``stream_keys``
     (:mod:`sheafgnn.nn.cpu_kernels`: ~10 ops a block in one); elsewhere, and as the reference,
     :func:`new_queries_and_keys_reference`."""
-    layers = (topology.query, topology.key, topology.key_previous)
+    *layers, query, key, key_previous = cpu_kernels.registered(topology, _KEY_ARGUMENTS)
     kernel = None
     if h.size(0) <= cpu_kernels.STEP_ROWS * len(delta.token_streams) and \
-            all(type(layer) is nn.Linear for layer in layers) and \
-            cpu_kernels.kernel_inputs(h, topology.query.weight.dtype):
+            all(type(layer) is nn.Linear for layer in layers) and cpu_kernels.kernel_inputs(h, query.dtype):
         kernel = cpu_kernels.stream_keys()
     if kernel is None:
         return new_queries_and_keys_reference(topology, h, delta, cache)
-    return kernel(h, cache.state.data, delta.previous_row, delta.no_previous, delta.type_ptr[_OUTPUT],
-                  *(layer.weight for layer in layers))
+    return kernel(h, cache.state.data, delta.previous_row, delta.no_previous, delta.type_ptr[_OUTPUT], query, key,
+                  key_previous)
 
 
 def new_queries_and_keys_reference(topology: LearnedTopology, h: Tensor, delta: StreamDelta,

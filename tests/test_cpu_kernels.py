@@ -193,6 +193,41 @@ def test_patch_experts_fuse_only_one_plain_expert_per_type_in_inference():
         assert PatchExperts(8, 2, 16)._fused(torch.randn(cpu_kernels.STEP_ROWS + 1, 8), [0, 1, 17], None) is None
 
 
+def test_registered_follows_every_registration_and_keeps_in_place_changes():
+    ffn = FeedForward(4, 6)
+    fc, weight = cpu_kernels.registered(ffn, ("fc", "fc.weight"))
+    assert fc is ffn.fc and weight is ffn.fc.weight
+    ffn.load_state_dict(FeedForward(4, 6).state_dict())  # in place: the same objects, new values
+    ffn.double()  # by default .to() swaps the data of the same parameters
+    assert cpu_kernels.registered(ffn, ("fc", "fc.weight")) == (fc, weight) and weight.dtype == torch.float64
+    ffn.fc.weight = torch.nn.Parameter(torch.zeros(6, 4))  # a new parameter, registered in a submodule
+    assert cpu_kernels.registered(ffn, ("fc.weight",))[0] is ffn.fc.weight
+    ffn.fc = torch.nn.Linear(4, 6)  # a new submodule
+    assert cpu_kernels.registered(ffn, ("fc", "fc.bias")) == (ffn.fc, ffn.fc.bias)
+    ffn.fc.bias = None
+    assert cpu_kernels.registered(ffn, ("fc.bias",)) == (None,)
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:  # .to() then registers nothing: nothing is kept
+        ffn.float()
+        assert cpu_kernels.registered(ffn, ("fc.weight",))[0] is ffn.fc.weight
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(False)
+
+
+@needs_step_kernels
+def test_step_kernels_read_replaced_layers():
+    """A layer replaced after a kernel call: the next call reads the new one (equal to the reference)."""
+    g = torch.Generator().manual_seed(0)
+    ssm, x = _random_(SelectiveSSM(8, d_state=2, headdim=4), g), torch.randn(2, 8, generator=g)
+    state = ssm.init_state(2)
+    with torch.no_grad():
+        ssm.step(x, state)
+        ssm.in_proj = _random_(torch.nn.Linear(8, ssm.in_proj.out_features, bias=False), g)
+        out, _ = ssm.step(x, state)
+        ref, _ = ssm.step_reference(x, state)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 @needs_step_kernels
 def test_step_kernels_check_their_input():
     stream_pools = cpu_kernels.stream_pools()

@@ -19,6 +19,10 @@
     glue_diag(x (N, D), src, ptr, edge_type, edge_weight, map_lin, map_type_emb, weight_channel, eps) -> (N, D)
         SheafConv with diag maps in inference, edges sorted by destination (SheafConv.forward)
 
+A kernel's caller reads ~10 parameters and submodules of its layer per call, and each nn.Module attribute lookup
+costs 0.5-1 us of Python (a generation step made ~200 of them): :func:`registered` keeps them on the layer
+until any module registers a parameter, buffer or submodule.
+
 The sources are compiled by :func:`torch.utils.cpp_extension.load` (ninja and a C++ compiler: about 40 s
 once, then cached under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``) with
 ``-march=native``, so the build directory is named for this CPU's instruction set. Where the build fails
@@ -36,6 +40,8 @@ import warnings
 from pathlib import Path
 
 import torch
+from torch import nn
+from torch.nn.modules import module as _module
 
 _SOURCES = Path(__file__).parent / "csrc"
 # The step kernels' callers use them up to this many rows (per stream): a generation step's. Above, MKL's matmuls
@@ -81,6 +87,49 @@ def kernel_inputs(x: torch.Tensor, dtype: torch.dtype) -> bool:
     float32 or float64, in the weights' ``dtype``. Each caller adds what its own layer needs."""
     return not torch.is_grad_enabled() and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) \
         and x.dtype == dtype
+
+
+_registrations = 0  # parameters, buffers and submodules registered (assigned) in any module so far
+
+
+def _registered_one(*args) -> None:
+    global _registrations
+    _registrations += 1
+
+
+for _hook in (_module.register_module_parameter_registration_hook, _module.register_module_buffer_registration_hook,
+              _module.register_module_module_registration_hook):
+    _hook(_registered_one)
+
+
+def registered(layer: nn.Module, names: tuple[str, ...]) -> tuple:
+    """The parameters, buffers and submodules of ``layer`` at the dotted paths ``names`` (e.g.
+    ``("in_proj", "in_proj.weight")``; None where one is None), as ``getattr`` gives them.
+
+    They are kept on the layer until any module registers or replaces a parameter, buffer or submodule (the
+    global registration hooks of :mod:`torch.nn`): in-place changes (optimizer steps, ``load_state_dict``,
+    ``.to()``) keep the same objects, so the tuple stays right. Not kept while
+    ``torch.__future__.get_overwrite_module_params_on_conversion()`` is on (``.to()`` then swaps parameters
+    without registering them). Plain attributes (``eps``, flags) are not cached: read them from the objects.
+    """
+    cache = layer.__dict__.get("_sheafgnn_registered")
+    if cache is None or cache[0] != _registrations or torch.__future__.get_overwrite_module_params_on_conversion():
+        cache = layer.__dict__["_sheafgnn_registered"] = (_registrations, {})
+    found = cache[1].get(names)
+    if found is None:
+        found = cache[1][names] = tuple(functools.reduce(getattr, name.split("."), layer) for name in names)
+    return found
+
+
+def norm_arguments(x: torch.Tensor, norm: nn.Module | None) -> tuple | None:
+    """A kernel's arguments for its input's LayerNorm ``norm``: (weight, bias, eps); empty tensors and 0 for no
+    norm; None for a norm the kernels do not compute (not an affine :class:`~torch.nn.LayerNorm` with bias)."""
+    if norm is None:
+        return x.new_empty(0), x.new_empty(0), 0.0
+    if type(norm) is not nn.LayerNorm or not norm.elementwise_affine:
+        return None
+    weight, bias = registered(norm, ("weight", "bias"))
+    return None if bias is None else (weight, bias, norm.eps)
 
 
 def _kernel(source: str, name: str):

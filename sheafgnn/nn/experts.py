@@ -13,6 +13,8 @@ router (Switch Transformer, Fedus et al. 2021) whose load-balancing loss
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -112,28 +114,45 @@ class FeedForward(nn.Module):
         if torch.is_grad_enabled() and self.plain(norm):
             args = (None, None, 0.0) if norm is None else (norm.weight, norm.bias, norm.eps)
             return _LeanFeedForward.apply(x, fc.weight, fc.bias, proj.weight, proj.bias, *args)
-        kernel = self.kernel(x, norm)
-        if kernel is not None:
-            return kernel(x, [0, x.size(0)], *kernel_norm(x, norm), [fc.weight], [fc.bias], [proj.weight],
-                          [proj.bias])
+        call = self.kernel(x, norm)
+        if call is not None:
+            kernel, x_norm, weights = call
+            return kernel(x, [0, x.size(0)], *x_norm, *weights)
         return proj(F.gelu(fc(x if norm is None else norm(x))))
 
     def plain(self, norm: nn.LayerNorm | None) -> bool:
         """Plain :class:`~torch.nn.Linear` layers (not quantised) and a norm the fused paths compute."""
         return type(self.fc) is nn.Linear and type(self.proj) is nn.Linear and (norm is None or fusable_norm(norm))
 
-    def kernel(self, x: Tensor, norm: nn.LayerNorm | None):
-        """The ``feed_forward`` kernel for the few rows ``x`` of an inference step (CPU, float32/64, the
-        weights' dtype, plain layers), else None."""
-        if x.size(0) > cpu_kernels.STEP_ROWS or not self.plain(norm) or \
-                not cpu_kernels.kernel_inputs(x, self.fc.weight.dtype):
-            return None
-        return cpu_kernels.feed_forward()
+    def kernel(self, x: Tensor, norm: nn.LayerNorm | None) -> tuple | None:
+        """The ``feed_forward`` kernel's call for the few rows ``x`` of an inference step (:func:`feed_forward_call`
+        of this block), else None."""
+        return feed_forward_call(x, norm, [cpu_kernels.registered(self, _BLOCK)])
 
 
-def kernel_norm(x: Tensor, norm: nn.LayerNorm | None) -> tuple:
-    """The ``feed_forward`` kernel's norm arguments: weight, bias and eps (empty tensors: no norm)."""
-    return (x.new_empty(0), x.new_empty(0), 0.0) if norm is None else (norm.weight, norm.bias, norm.eps)
+# What the feed_forward kernel reads of a FeedForward: its layers (to check), then their weights and biases.
+_BLOCK = ("fc", "proj", "fc.weight", "fc.bias", "proj.weight", "proj.bias")
+
+
+def feed_forward_call(x: Tensor, norm: nn.LayerNorm | None, blocks: list[tuple]) -> tuple | None:
+    """The ``feed_forward`` kernel, ``norm``'s arguments (:func:`~sheafgnn.nn.cpu_kernels.norm_arguments`) and
+    the weights of ``blocks`` (per :class:`FeedForward`: its ``_BLOCK`` objects), as lists of fc weights, fc
+    biases, proj weights and proj biases, one entry a row segment; or None where the kernel does not compute
+    what the blocks do: more than a step's rows, gradients, not the CPU or float32/64 in the weights' dtype,
+    quantised layers, a norm other than an affine LayerNorm."""
+    x_norm = cpu_kernels.norm_arguments(x, norm)
+    if x.size(0) > cpu_kernels.STEP_ROWS or x_norm is None or \
+            any(type(block[0]) is not nn.Linear or type(block[1]) is not nn.Linear for block in blocks) or \
+            not cpu_kernels.kernel_inputs(x, blocks[0][2].dtype):
+        return None
+    kernel = cpu_kernels.feed_forward()
+    return None if kernel is None else (kernel, x_norm, [list(w) for w in zip(*(block[2:] for block in blocks))])
+
+
+@functools.cache
+def _expert_paths(types: tuple[int, ...]) -> tuple[str, ...]:
+    """The ``_BLOCK`` paths of the first expert of each of ``types`` in PatchExperts (for cpu_kernels.registered)."""
+    return tuple(f"experts.{t}.0.{name}" for t in types for name in _BLOCK)
 
 
 class PatchExperts(nn.Module):
@@ -222,15 +241,14 @@ class PatchExperts(nn.Module):
         :meth:`FeedForward.kernel` would not run."""
         if self.routers is not None or torch.is_grad_enabled():
             return None
-        present = [t for t in range(self.num_types) if type_ptr[t + 1] > type_ptr[t]]
-        experts = [self.experts[t][0] for t in present]
-        kernel = experts[0].kernel(x, norm) if all(expert.plain(norm) for expert in experts) else None
-        if kernel is None:  # (the kernel checks that every expert has the dtype of x)
+        present = tuple(t for t in range(self.num_types) if type_ptr[t + 1] > type_ptr[t])
+        found, size = cpu_kernels.registered(self, _expert_paths(present)), len(_BLOCK)
+        call = feed_forward_call(x, norm, [found[i : i + size] for i in range(0, len(found), size)]) if present \
+            else None
+        if call is None:
             return None
-        return kernel(
-            x, [type_ptr[t] for t in present] + [type_ptr[-1]], *kernel_norm(x, norm),
-            [e.fc.weight for e in experts], [e.fc.bias for e in experts], [e.proj.weight for e in experts],
-            [e.proj.bias for e in experts])
+        kernel, x_norm, weights = call
+        return kernel(x, [type_ptr[t] for t in present] + [type_ptr[-1]], *x_norm, *weights)
 
     def __repr__(self) -> str:
         return (f"{self.__class__.__name__}({self.channels}, num_types={self.num_types}, "

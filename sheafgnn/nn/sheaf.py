@@ -67,6 +67,7 @@ class _Edges(NamedTuple):
     num_edges: int
 
 
+
 class SheafConv(MessagePassing):
     r"""The causal sheaf diffusion operator, after the
     `"Neural Sheaf Diffusion: A Topological Perspective on Heterophily and
@@ -389,10 +390,10 @@ class SheafConv(MessagePassing):
                 sort. Not checked. (default: :obj:`None`)
         """
         self._check_x(x)
-        kernel = None if return_energy else self._kernel(x, edge_index, edge_type, edge_weight, ptr)
-        if kernel is not None:
-            return kernel(x, edge_index[0], ptr, edge_type, edge_weight, self.map_lin.weight,
-                          self.map_type_emb.weight, self.weight_channel, self.eps)
+        call = None if return_energy else self._kernel(x, edge_index, edge_type, edge_weight, ptr)
+        if call is not None:
+            kernel, weights = call
+            return kernel(x, edge_index[0], ptr, edge_type, edge_weight, *weights)
         N = x.size(0)
         d, f = self.stalk_dim, self.channels
         edges = self._sorted_edges(x, edge_index, edge_type, edge_weight, ptr)
@@ -430,30 +431,31 @@ class SheafConv(MessagePassing):
             return out
         return out, self._energy(X, maps_src, maps_dst, edges)
 
-    def _kernel(self, x: Tensor, edge_index, edge_type: OptTensor, edge_weight: OptTensor, ptr: OptTensor):
+    def _kernel(self, x: Tensor, edge_index, edge_type: OptTensor, edge_weight: OptTensor,
+                ptr: OptTensor) -> tuple | None:
         r"""The C++ kernel ``glue_diag`` (:mod:`sheafgnn.nn.cpu_kernels`: a step's gluing in one call, not ~40 ops)
-        where it computes what :meth:`forward` does (inference on the CPU, sorted typed weighted edges with their
-        :obj:`ptr`, diag maps, no stalk mixing, no normalisation, ELU), else None."""
-        inputs = cpu_kernels.kernel_inputs(x, self.eps.dtype) and isinstance(edge_index, Tensor) and \
+        and this layer's weights for it, where it computes what :meth:`forward` does (inference on the CPU, sorted
+        typed weighted edges with their :obj:`ptr`, diag maps, no stalk mixing, no normalisation, ELU), else None."""
+        map_out, weight_stalk, act, map_lin, map_type_emb, *weights = cpu_kernels.registered(self, (
+            "map_out", "weight_stalk", "act", "map_lin", "map_type_emb",  # checked; then glue_diag's weights
+            "map_lin.weight", "map_type_emb.weight", "weight_channel", "eps"))
+        inputs = cpu_kernels.kernel_inputs(x, weights[-1].dtype) and isinstance(edge_index, Tensor) and \
             not edge_index.is_sparse and ptr is not None and edge_type is not None and edge_weight is not None
-        layer = self.map_kind == "diag" and self.map_out is None and self.weight_stalk is None and \
-            self.normalize == "none" and type(self.act) is nn.ELU and self.act.alpha == 1.0 and \
-            type(self.map_lin) is nn.Linear and type(self.map_type_emb) is nn.Embedding and self._fused()
-        return cpu_kernels.glue_diag() if inputs and layer else None
+        layer = self.map_kind == "diag" and map_out is None and weight_stalk is None and \
+            self.normalize == "none" and type(act) is nn.ELU and act.alpha == 1.0 and \
+            type(map_lin) is nn.Linear and type(map_type_emb) is nn.Embedding and self._fused()
+        kernel = cpu_kernels.glue_diag() if inputs and layer else None
+        return None if kernel is None else (kernel, weights)
 
     def _fused(self) -> bool:
         r"""Whether :meth:`forward` may skip :meth:`propagate` for the fused
         :func:`~sheafgnn.nn.gluing.transport_sum`: not in explain mode, with
         no PyG hook and the stock :meth:`message` / :meth:`aggregate`."""
-        hooks = (self._propagate_forward_pre_hooks,
-                 self._propagate_forward_hooks,
-                 self._message_forward_pre_hooks, self._message_forward_hooks,
-                 self._aggregate_forward_pre_hooks,
-                 self._aggregate_forward_hooks)
+        hooks = (self._propagate_forward_pre_hooks, self._propagate_forward_hooks, self._message_forward_pre_hooks,
+                 self._message_forward_hooks, self._aggregate_forward_pre_hooks, self._aggregate_forward_hooks)
         cls = type(self)
-        return (not self.explain and not any(hooks)
-                and cls.message is SheafConv.message
-                and cls.aggregate is SheafConv.aggregate)
+        return not self.explain and not any(hooks) and cls.message is SheafConv.message and \
+            cls.aggregate is SheafConv.aggregate
 
     def _sorted_edges(self, x: Tensor, edge_index: Tensor | SparseTensor,
                       edge_type: OptTensor, edge_weight: OptTensor,
@@ -461,8 +463,7 @@ class SheafConv(MessagePassing):
         r"""Checks the edge inputs of :meth:`forward`, folds the explain
         mask into the weights, and sorts the edges by destination."""
         N = x.size(0)
-        if isinstance(edge_index, SparseTensor) or is_torch_sparse_tensor(
-                edge_index):
+        if isinstance(edge_index, SparseTensor) or is_torch_sparse_tensor(edge_index):
             edge_index, ptr, value = self._edges_from_adj(edge_index, N)
             if edge_weight is None and value is not None:
                 edge_weight = value.to(x.dtype)
@@ -471,8 +472,7 @@ class SheafConv(MessagePassing):
                 f"{self.__class__.__name__}: expected edge_index of shape "
                 f"(2, num_edges) (got {tuple(edge_index.shape)})")
         num_edges = edge_index.size(1)
-        for name, t in (("edge_type", edge_type),
-                        ("edge_weight", edge_weight)):
+        for name, t in (("edge_type", edge_type), ("edge_weight", edge_weight)):
             if t is not None and t.shape != (num_edges,):
                 raise ValueError(
                     f"{self.__class__.__name__}: expected {name} of shape "

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from sheafgnn.nn import cpu_kernels
-from sheafgnn.nn.norm_linear import fusable_norm, norm_linear
+from sheafgnn.nn.norm_linear import norm_linear
 from sheafgnn.nn.ssd import chain_starts, ssd_scan, ssd_scan_chains
 from sheafgnn.nn.ssm_kernels import chain_conv, chain_layout, gated_rms_norm
 
@@ -56,6 +56,12 @@ class SSMState(NamedTuple):
 
     conv: Tensor
     ssm: Tensor
+
+
+# What SelectiveSSM._step_kernel reads of the layer: the projections and their biases (to check), then the kernel's
+# weights in its order, and the gate's norm (for its eps).
+_STEP_ARGUMENTS = ("in_proj", "out_proj", "in_proj.bias", "out_proj.bias", "in_proj.weight", "conv_weight",
+                   "conv_bias", "dt_bias", "A_log", "D", "norm.weight", "out_proj.weight", "norm")
 
 
 class SelectiveSSM(nn.Module):
@@ -319,24 +325,28 @@ class SelectiveSSM(nn.Module):
             - **input:** x_t (batch, D), state :class:`SSMState`
             - **output:** y_t (batch, D), new :class:`SSMState`
         """
-        kernel = self._step_kernel(x_t, norm)
-        if kernel is None:
+        call = self._step_kernel(x_t, norm)
+        if call is None:
             return self.step_reference(x_t if norm is None else norm(x_t), state)
-        eps = torch.finfo(x_t.dtype).eps if self.norm.eps is None else self.norm.eps
-        x_norm = (x_t.new_empty(0), x_t.new_empty(0), 0.0) if norm is None else (norm.weight, norm.bias, norm.eps)
-        y, conv, ssm = kernel(x_t, state.conv, state.ssm, self.in_proj.weight, self.conv_weight, self.conv_bias,
-                              self.dt_bias, self.A_log, self.D, self.norm.weight, eps, self.out_proj.weight, *x_norm)
+        kernel, (in_w, conv_w, conv_b, dt_bias, A_log, D, norm_w, out_w, gate_norm), x_norm = call
+        eps = torch.finfo(x_t.dtype).eps if gate_norm.eps is None else gate_norm.eps
+        y, conv, ssm = kernel(x_t, state.conv, state.ssm, in_w, conv_w, conv_b, dt_bias, A_log, D, norm_w, eps, out_w,
+                              *x_norm)
         return y, SSMState(conv, ssm)
 
-    def _step_kernel(self, x_t: Tensor, norm: nn.LayerNorm | None):
-        """The ``ssm_step`` kernel where it computes what :meth:`step_reference` does (no gradients, CPU,
-        float32/64, plain bias-free projections, an affine ``norm`` if any), else None."""
-        if not cpu_kernels.kernel_inputs(x_t, self.A_log.dtype) or not (norm is None or fusable_norm(norm)):
+    def _step_kernel(self, x_t: Tensor, norm: nn.LayerNorm | None) -> tuple | None:
+        """The ``ssm_step`` kernel, this layer's arguments to it and those of ``norm``, where it computes what
+        :meth:`step_reference` does (no gradients, CPU, float32/64, plain bias-free projections, an affine
+        ``norm`` if any), else None."""
+        in_proj, out_proj, in_bias, out_bias, *weights = cpu_kernels.registered(self, _STEP_ARGUMENTS)
+        x_norm = cpu_kernels.norm_arguments(x_t, norm)
+        if x_norm is None or not cpu_kernels.kernel_inputs(x_t, weights[4].dtype) or weights[6] is None:
             return None
-        if type(self.in_proj) is not nn.Linear or type(self.out_proj) is not nn.Linear or \
-                self.in_proj.bias is not None or self.out_proj.bias is not None or self.norm.weight is None:
+        if type(in_proj) is not nn.Linear or type(out_proj) is not nn.Linear or in_bias is not None or \
+                out_bias is not None:
             return None
-        return cpu_kernels.ssm_step()
+        kernel = cpu_kernels.ssm_step()
+        return None if kernel is None else (kernel, weights, x_norm)
 
     def step_reference(self, x_t: Tensor, state: SSMState) -> tuple[Tensor, SSMState]:
         """:meth:`step` as PyTorch ops."""
