@@ -174,6 +174,9 @@ class SheafStream(TokenStream):
         device = model.token_embedding.weight.device
         self.device = device
         self.sites = [SiteStream(model.config.site_config, tokenizer=tokenizer) for _ in range(batch_size)]
+        if self.sites[0].tokenizer.vocab_size < self.vocab_size:  # the sites read every id the model may emit
+            raise ValueError(f"SheafStream: the tokenizer knows {self.sites[0].tokenizer.vocab_size} ids, fewer "
+                             f"than the model's vocabulary of {self.vocab_size}")
         # One table (ids so far, node types but the outputs (never sources), B) of the cache row of each
         # stream's node of each type by its id in the full site, so that the edges of every type and stream
         # read their sources with one gather, and a batch of proposals its tokens with one. Its rows run to
@@ -204,7 +207,9 @@ class SheafStream(TokenStream):
             return [self.model.token_embedding.weight.new_zeros(0, self.vocab_size) for _ in ids]
         if not self.model.config.gluing:
             return self._feed_tokens_only(ids)
-        deltas = [site.push_delta(x) if x.numel() else None for site, x in zip(self.sites, ids)]
+        # TokenStream validated the ids (or sampled them): the sites need not check them again
+        deltas = [site.push_delta(x if x.device.type == "cpu" else x.cpu(), validate=False) if x.numel() else None
+                  for site, x in zip(self.sites, ids)]
         delta = self._delta(deltas)
         model = self.model
         h = model.embed(delta.token_ids.to(self.device), delta.node_type, delta.type_ptr,
@@ -304,8 +309,8 @@ class SheafStream(TokenStream):
         if not chunks:  # e.g. the cover edges of a generated token that closes no patch
             empty = np.zeros(0, dtype=np.int64)
             return empty, empty, empty, np.zeros(type_ptr[-1] + 1, dtype=np.int64)
-        index = np.concatenate([d.edges[edge_types[i]].numpy() for i, _, d in chunks], 1)  # (2, E) ids per site
-        sizes = [d.edges[edge_types[i]].size(1) for i, _, d in chunks]
+        index = np.concatenate([d.edges[edge_types[i]] for i, _, d in chunks], 1)  # (2, E) ids per site
+        sizes = [d.edges[edge_types[i]].shape[1] for i, _, d in chunks]
         # per chunk: edge type, stream, destination shift (site id -> delta index), source type
         meta = np.array([[i, b, first[edge_types[i][2]][b] - d.node_offset[edge_types[i][2]],
                           FLAT_TYPES.index(edge_types[i][0])] for i, b, d in chunks])

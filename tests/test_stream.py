@@ -7,8 +7,10 @@ from sheafgnn import stream as stream_module
 from sheafgnn.model import SheafStateLM
 from sheafgnn.nn import cpu_kernels
 from sheafgnn.site import build_site
+from sheafgnn.site.tokenizer import ByteTokenizer
 from sheafgnn.stream import (
     RowBuffer,
+    SheafStream,
     compete_outputs,
     compete_outputs_reference,
     new_queries_and_keys,
@@ -162,6 +164,15 @@ def test_stream_refuses_the_random_score_ablation(full_config):
     model.blocks[0].topology.random_scores = True
     with pytest.raises(ValueError, match="not streamable"):
         model.stream()
+
+
+def test_stream_refuses_a_tokenizer_smaller_than_the_vocabulary(full_config):
+    """The sites read every id the model may sample: a tokenizer that knows fewer is refused up front."""
+    class Small(ByteTokenizer):
+        vocab_size = 100
+
+    with pytest.raises(ValueError, match="knows 100 ids"):
+        SheafStream(_model(full_config), tokenizer=Small())
 
 
 def test_bad_feed_loses_nothing(full_config):

@@ -98,7 +98,7 @@ _WORD_HASH = rules._WORD_HASH.tolist()
 
 Closed = list[tuple]  # closed spans (start token, end token exclusive, extra...)
 _NONE = torch.zeros(0, dtype=torch.long)  # no new nodes: shared, never written (a push of one token mostly has none)
-_NO_EDGES = torch.zeros(2, 0, dtype=torch.long)  # no new edges: shared, never written
+_NO_EDGES = np.zeros((2, 0), dtype=np.int64)  # no new edges: shared, never written
 
 
 class _Sentences:
@@ -285,10 +285,8 @@ def _spans(closed: Closed) -> Spans:
     return torch.tensor([c[0] for c in closed]), torch.tensor([c[1] for c in closed])
 
 
-def _edges(src: list[int], dst: list[int]) -> Tensor:
-    if not src:
-        return _NO_EDGES
-    return torch.from_numpy(np.array([src, dst], dtype=np.int64))  # NumPy builds it ~5x faster than torch.tensor
+def _edges(src: list[int], dst: list[int]) -> np.ndarray:
+    return np.array([src, dst], dtype=np.int64) if src else _NO_EDGES
 
 
 @dataclass
@@ -301,8 +299,9 @@ class SiteDelta:
         spans (dict[str, tuple[Tensor, Tensor]]): per patch type (``output`` included), the
             (start, end) token spans of its new nodes, in node order.
         attrs (dict[str, Tensor]): the new topic and workspace nodes' ``topic`` / ``register``.
-        edges (dict[EdgeType, Tensor]): (2, E) every non-empty edge type's edges into new
-            nodes, in global node ids.
+        edges (dict[EdgeType, numpy.ndarray]): (2, E) int64, every non-empty edge type's edges
+            into new nodes, in global node ids (NumPy: its consumer indexes them on the host, and a
+            step's ~10 small arrays cost ~1 us each in NumPy against ~5 as tensors).
         node_offset (dict[str, int]): per node type, the nodes before this push.
     """
 
@@ -310,7 +309,7 @@ class SiteDelta:
     first: int
     spans: dict[str, Spans]
     attrs: dict[str, Tensor]
-    edges: dict[EdgeType, Tensor]
+    edges: dict[EdgeType, np.ndarray]
     node_offset: dict[str, int]
 
     def num_nodes(self, node_type: str) -> int:
@@ -318,7 +317,8 @@ class SiteDelta:
 
     def to_hetero(self) -> HeteroData:
         """The delta as a HeteroData with every node and edge type of the schema (see :meth:`SiteStream.push`)."""
-        edges = {e: self.edges.get(e, _empty_edges()) for e in EDGE_TYPES}  # every type, in schema order
+        edges = {e: torch.from_numpy(self.edges[e]) if e in self.edges else _empty_edges()
+                 for e in EDGE_TYPES}  # every type, in schema order
         data = _hetero_data(self.ids, self.spans, self.attrs, edges, self.first)
         for t in NODE_TYPES:
             data[t].node_offset = self.node_offset[t]
@@ -384,13 +384,16 @@ class SiteStream:
         """
         return self.push_delta(ids).to_hetero()
 
-    def push_delta(self, ids: Tensor) -> SiteDelta:
-        """:meth:`push` without the HeteroData: the same delta as plain tensors (what a per-token
+    def push_delta(self, ids: Tensor, validate: bool = True) -> SiteDelta:
+        """:meth:`push` without the HeteroData: the same delta as plain arrays (what a per-token
         consumer such as :class:`~sheafgnn.stream.SheafStream` reads; a HeteroData of ~30 stores
-        costs more to build than the delta itself)."""
-        if not isinstance(ids, Tensor):
-            raise TypeError(f"SiteStream.push: expected a 1-D LongTensor of token ids, got {type(ids).__name__}")
-        ids = _check_ids(ids, self.tokenizer.vocab_size, "SiteStream.push")
+        costs more to build than the delta itself). ``validate=False`` skips the checks of ``ids``
+        for a caller that made them: then they must be a 1-D int64 CPU tensor of ids in the
+        tokenizer's vocabulary."""
+        if validate:
+            if not isinstance(ids, Tensor):
+                raise TypeError(f"SiteStream.push: expected a 1-D LongTensor of token ids, got {type(ids).__name__}")
+            ids = _check_ids(ids, self.tokenizer.vocab_size, "SiteStream.push")
         first, n = self.num_tokens, self.num_tokens + ids.numel()
         b, lengths = self.tokenizer.token_bytes(ids)
         data = b.numpy().tobytes()
@@ -401,20 +404,22 @@ class SiteStream:
         edges.update(_chain_edges(spans, self.config.workspace_registers, offsets))
         edges.update(self._anchor_edges(spans, offsets))
         edges.update(self._read_edges(spans, first, n, offsets))
-        delta = SiteDelta(ids, first, spans, attrs, {e: v for e, v in edges.items() if v.size(1)}, offsets)
+        # the builder's structural edges come as tensors (CPU): NumPy views of them
+        delta = SiteDelta(ids, first, spans, attrs, {e: np.asarray(v) for e, v in edges.items() if v.shape[1]},
+                          offsets)
         for t in NODE_TYPES:
             self.num_nodes[t] += delta.num_nodes(t)
         self.num_tokens, self.num_bytes = n, self.num_bytes + len(data)
         return delta
 
     def _patches(self, ids: Tensor, data: bytes, toks: list[int], offsets: dict[str, int]
-                 ) -> tuple[dict[str, Spans], dict[str, Tensor], dict[EdgeType, Tensor]]:
+                 ) -> tuple[dict[str, Spans], dict[str, Tensor], dict[EdgeType, Tensor | np.ndarray]]:
         """The new spans of every patch type (time order), their extra attributes, and link edges."""
         config, first, n = self.config, self.num_tokens, self.num_tokens + ids.numel()
         empty: Spans = (_NONE, _NONE)
         spans: dict[str, Spans] = {p: empty for p in PATCH_TYPES}
         attrs: dict[str, Tensor] = {p: _NONE for p in _EXTRA_ATTRS}
-        links: dict[EdgeType, Tensor] = {}
+        links: dict[EdgeType, Tensor | np.ndarray] = {}
         sentences = self._sentences.scan(data, toks) if self._sentences is not None else []
         windows = torch.arange(first // config.local_window, n // config.local_window)
         if config.enabled("local") and windows.numel():
@@ -455,14 +460,14 @@ class SiteStream:
         return _spans(closed)
 
     @staticmethod
-    def _link(recent: _Recent, keys: list, first_node: int) -> Tensor:
+    def _link(recent: _Recent, keys: list, first_node: int) -> np.ndarray:
         """Edges from the latest earlier items of each new item's key (new items from ``first_node``)."""
         src, dst = [], []
         for i, key in enumerate(keys):
             recent.link(key, first_node + i, src, dst)
         return _edges(src, dst)
 
-    def _retrieval(self, ids: Tensor, first_node: int) -> tuple[Spans, Tensor]:
+    def _retrieval(self, ids: Tensor, first_node: int) -> tuple[Spans, np.ndarray]:
         """New positions t whose last ``retrieval_key_len`` ids occurred before, and edges from the
         token after each of the latest ``retrieval_links`` earlier matches (keys: the id tuples)."""
         m = self.config.retrieval_key_len
@@ -483,14 +488,14 @@ class SiteStream:
         return (end - m, end), _edges(src, dst)
 
     def _read_edges(self, spans: dict[str, Spans], first: int, n: int, offsets: dict[str, int]
-                    ) -> dict[EdgeType, Tensor]:
+                    ) -> dict[EdgeType, np.ndarray]:
         """Output t (t in [first, n)) reads token t and the latest patches of each type with time <= t,
         in :func:`~sheafgnn.site.builder._read_edges`' order (k-major). The patches before this push
         all have time < first, so the latest with time <= t is the last of the ``offsets[p]`` old ones
         and the new ones ending at or before t: O(new nodes + edges) per push, in plain Python (a push
         of one token reads ~10 patches; tensor ops would cost more than the edges)."""
-        positions = torch.arange(first, n)
-        edges = {("token", "reads", "output"): torch.stack([positions, positions])}
+        positions = np.arange(first, n)
+        edges = {("token", "reads", "output"): np.stack([positions, positions])}
         types, src, dst, sizes = [], [], [], []
         for p in READ_TYPES[1:]:
             ends = spans[p][1].tolist() if spans[p][1].numel() else []  # new nodes, in time order
@@ -509,11 +514,12 @@ class SiteStream:
                         dst.append(t)
             types.append(p)
             sizes.append(len(src) - size)
-        for p, index in zip(types, _edges(src, dst).split(sizes, 1)):  # one tensor for all types
-            edges[(p, "reads", "output")] = index
+        index, start = _edges(src, dst), 0  # one array for all types
+        for p, size in zip(types, sizes):
+            edges[(p, "reads", "output")], start = index[:, start : start + size], start + size
         return edges
 
-    def _anchor_edges(self, spans: dict[str, Spans], offsets: dict[str, int]) -> dict[EdgeType, Tensor]:
+    def _anchor_edges(self, spans: dict[str, Spans], offsets: dict[str, int]) -> dict[EdgeType, np.ndarray]:
         """The latest instruction ending at or before each new anchored patch's start, within ``anchor_scope``."""
         ends = self._instruction_ends
         if not ends:
