@@ -63,6 +63,10 @@ from sheafgnn.site.schema import CANDIDATE_EDGES, CHAINED_TYPES, COVER_EDGES
 from sheafgnn.site.stream import SiteDelta, SiteStream
 
 _OUTPUT = FLAT_TYPES.index("output")
+_TYPE_INDEX = {t: i for i, t in enumerate(FLAT_TYPES)}
+# edge type -> its index in COVER_EDGES / CANDIDATE_EDGES (a delta holds a few of the ~30 types: look them up)
+_COVER_INDEX = {e: i for i, e in enumerate(COVER_EDGES)}
+_CANDIDATE_INDEX = {e: i for i, e in enumerate(CANDIDATE_EDGES)}
 
 
 class RowBuffer:
@@ -254,14 +258,14 @@ class SheafStream(TokenStream):
         token_reset = np.zeros(token_pos.size, dtype=bool)
         token_reset[[first["token"][b] for b, _, _ in tokens]] = True  # each stream's first new token
         previous_row = token_rows[np.maximum(token_pos - 1, 0), token_stream]  # (T,); any row at position 0
-        cover_src, _, _, cover_ptr = self._edges(deltas, first, COVER_EDGES, type_ptr)
+        cover_src, _, _, cover_ptr = self._edges(deltas, first, _COVER_INDEX, type_ptr, table)
         cover_ptr = cover_ptr[type_ptr[1] : type_ptr[_OUTPUT] + 1]  # over the new patches
-        rule_src, rule_dst, rule_type, rule_ptr = self._edges(deltas, first, CANDIDATE_EDGES, type_ptr)
+        rule_src, rule_dst, rule_type, rule_ptr = self._edges(deltas, first, _CANDIDATE_INDEX, type_ptr, table)
         into_patch = rule_ptr[type_ptr[_OUTPUT]]  # edges into patches: the sorted head
         output_pool = self._output_pool(token_pos, token_stream, token_rows, rule_src[into_patch:],
                                         rule_dst[into_patch:] - type_ptr[_OUTPUT], rule_type[into_patch:])
-        chains = [(i * B + b, counts[FLAT_TYPES.index(t)][b]) for i, t in enumerate(CHAINED_TYPES) for b in range(B)
-                  if counts[FLAT_TYPES.index(t)][b]]  # (pool row, new patches) of every continued chain
+        chains = [(i * B + b, counts[_TYPE_INDEX[t]][b]) for i, t in enumerate(CHAINED_TYPES) for b in range(B)
+                  if counts[_TYPE_INDEX[t]][b]]  # (pool row, new patches) of every continued chain
         chain_reset = np.zeros(sum(size for _, size in chains), dtype=bool)
         if chains:  # most generated tokens close no patch
             chain_reset[np.cumsum([0] + [size for _, size in chains[:-1]])] = True  # each chain's first
@@ -272,7 +276,7 @@ class SheafStream(TokenStream):
 
         tensor = self._tensor
         return StreamDelta(
-            type_ptr, tensor(np.repeat(np.arange(len(FLAT_TYPES)), np.diff(type_ptr))),
+            type_ptr, tensor(np.arange(len(FLAT_TYPES)).repeat([sum(per_stream) for per_stream in counts])),
             concat([d.ids for d in present]), concat([d.attrs["topic"] for d in present]),
             concat([d.attrs["workspace"] for d in present]), first_row, [b for b, _, _ in tokens],
             tensor(token_stream), tensor(token_reset), tensor(token_pos),
@@ -299,25 +303,26 @@ class SheafStream(TokenStream):
                     table[ids, i, b] = np.arange(row, row + counts[i][b])
         return table
 
-    def _edges(self, deltas, first, edge_types, type_ptr) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Source rows, destination delta indices and type ids of the deltas' edges of the given types
-        (``deltas``: per stream, its :class:`~sheafgnn.site.stream.SiteDelta` or None), sorted by
-        destination (stably: per destination in ``edge_types`` order, like ``flatten_site``), and the
-        destination CSR pointer over the new nodes."""
-        chunks = [(i, b, d) for i, edge_type in enumerate(edge_types) for b, d in enumerate(deltas)
-                  if d is not None and edge_type in d.edges]  # edge-type major, like flatten_site
+    @staticmethod
+    def _edges(deltas, first, edge_index: dict, type_ptr,
+               table: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Source rows (from the node ``table``), destination delta indices and type ids of the deltas' edges
+        of the types in ``edge_index`` (edge type -> type id; ``deltas``: per stream, its
+        :class:`~sheafgnn.site.stream.SiteDelta` or None), sorted by destination (stably: per destination
+        by type id, like ``flatten_site``), and the destination CSR pointer over the new nodes."""
+        chunks = sorted((edge_index[e], b, e, d) for b, d in enumerate(deltas) if d is not None
+                        for e in d.edges if e in edge_index)  # edge-type major, like flatten_site
+        ptr = np.zeros(type_ptr[-1] + 1, dtype=np.int64)
         if not chunks:  # e.g. the cover edges of a generated token that closes no patch
             empty = np.zeros(0, dtype=np.int64)
-            return empty, empty, empty, np.zeros(type_ptr[-1] + 1, dtype=np.int64)
-        index = np.concatenate([d.edges[edge_types[i]] for i, _, d in chunks], 1)  # (2, E) ids per site
-        sizes = [d.edges[edge_types[i]].shape[1] for i, _, d in chunks]
+            return empty, empty, empty, ptr
+        index = np.concatenate([d.edges[e] for _, _, e, d in chunks], 1)  # (2, E) ids per site
         # per chunk: edge type, stream, destination shift (site id -> delta index), source type
-        meta = np.array([[i, b, first[edge_types[i][2]][b] - d.node_offset[edge_types[i][2]],
-                          FLAT_TYPES.index(edge_types[i][0])] for i, b, d in chunks])
-        types, stream, shift, src_type = np.repeat(meta, sizes, 0).T
-        src, dst = self.node_rows.data.numpy()[index[0], src_type, stream], index[1] + shift  # (E,) each
-        order = np.argsort(dst, kind="stable")
-        ptr = np.concatenate([[0], np.cumsum(np.bincount(dst, minlength=type_ptr[-1]))])
+        meta = np.array([[i, b, first[e[2]][b] - d.node_offset[e[2]], _TYPE_INDEX[e[0]]] for i, b, e, d in chunks])
+        types, stream, shift, src_type = meta.repeat([d.edges[e].shape[1] for _, _, e, d in chunks], 0).T
+        src, dst = table[index[0], src_type, stream], index[1] + shift  # (E,) each
+        order = dst.argsort(kind="stable")
+        np.cumsum(np.bincount(dst, minlength=type_ptr[-1]), out=ptr[1:])
         return src[order], dst[order], types[order], ptr
 
     def _output_pool(self, pos: np.ndarray, stream: np.ndarray, token_rows: np.ndarray, rule_src: np.ndarray,
@@ -330,8 +335,9 @@ class SheafStream(TokenStream):
         near = np.where(near >= 0, token_rows[np.maximum(near, 0), stream[:, None]], -1)
         degree = np.bincount(rule_dst, minlength=pos.size)  # (M,)
         slot = np.arange(rule_dst.size) - (np.cumsum(degree) - degree)[rule_dst]  # each edge's column in its row
-        pool = np.full((pos.size, near.shape[1] + degree.max(initial=0)), -1, dtype=np.int64)
-        types = np.zeros_like(pool)
+        pool = np.empty((pos.size, near.shape[1] + degree.max(initial=0)), dtype=np.int64)
+        pool.fill(-1)
+        types = np.zeros(pool.shape, dtype=np.int64)
         pool[:, : near.shape[1]], types[:, : near.shape[1]] = near, self.position_types
         pool[rule_dst, near.shape[1] + slot], types[rule_dst, near.shape[1] + slot] = rule_src, rule_type
         return pool, types

@@ -494,8 +494,7 @@ class SiteStream:
         all have time < first, so the latest with time <= t is the last of the ``offsets[p]`` old ones
         and the new ones ending at or before t: O(new nodes + edges) per push, in plain Python (a push
         of one token reads ~10 patches; tensor ops would cost more than the edges)."""
-        positions = np.arange(first, n)
-        edges = {("token", "reads", "output"): np.stack([positions, positions])}
+        edges = {("token", "reads", "output"): np.arange(first, n)[None].repeat(2, 0)}  # (2, n - first)
         types, src, dst, sizes = [], [], [], []
         for p in READ_TYPES[1:]:
             ends = spans[p][1].tolist() if spans[p][1].numel() else []  # new nodes, in time order
