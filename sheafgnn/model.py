@@ -312,19 +312,19 @@ class SheafStateLM(nn.Module):
         """Initial states of flat nodes (FLAT_TYPES order): token ids, the node types and type offsets,
         the topic ids of the topic nodes and the registers of the workspace nodes; tokens only without
         gluing (then the other arguments are ignored)."""
-        tokens = self.token_embedding(token_ids) + self.type_embedding.weight[0]  # (num_tokens, D)
         if not self.config.gluing:
-            return tokens
+            return self.token_embedding(token_ids) + self.type_embedding.weight[0]  # (num_tokens, D)
         h = self.type_embedding(node_type)  # (N, D)
-        blocks = list(h.split([type_ptr[i + 1] - type_ptr[i] for i in range(len(FLAT_TYPES))]))
-        for t, ids, embedding in (("topic", topic % self.config.num_topics, self.topic_embedding),
-                                  ("workspace", register, self.register_embedding)):
+        # In place on h's blocks (views): no (N, D) cat, and a generation step's two rows in a few ops.
+        h[: token_ids.numel()].add_(self.token_embedding(token_ids))  # the tokens come first (type 0)
+        for t, ids, embedding in (("topic", topic, self.topic_embedding), ("workspace", register,
+                                                                         self.register_embedding)):
             # Inference skips an empty block (a stream's step mostly has neither); training still runs it, so that
             # the weights get (zero) gradients and the optimizer treats every step alike (as PatchExperts does).
             if ids.numel() or torch.is_grad_enabled():
                 i = FLAT_TYPES.index(t)
-                blocks[i] = blocks[i] + embedding(ids)
-        return torch.cat([tokens, *blocks[1:]])  # (N, D)
+                h[type_ptr[i] : type_ptr[i + 1]].add_(embedding(ids % self.config.num_topics if t == "topic" else ids))
+        return h  # (N, D)
 
     def _forward(self, data: HeteroData, extras: Extras = Extras()) -> tuple[Tensor, list[dict], FlatSite]:
         """(output states (num_tokens, D), per-block infos, the flat site); R (:meth:`readout`) is left out.
