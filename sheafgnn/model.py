@@ -242,11 +242,9 @@ class SheafBlock(nn.Module):
         h = torch.cat([h_tok, h_patch, h[out] + h_tok])  # (N, D)
 
         src, dst, edge_type, weight = select_streamed(self.topology, h, delta, cache)
-        # Gluing on [new nodes | one copy of each edge's source]: a node's output reads only its in-edges.
-        N = h.size(0)
-        local = torch.stack([torch.arange(N, N + src.numel(), device=h.device), dst])
-        glued = self.glue(torch.cat([h, cache.state.data[src]]), local, edge_type, weight,
-                          ptr=ptr_from_index(dst, N + src.numel()))[:N]
+        # Bipartite gluing: the new nodes (destinations) read their sources' cached states in place.
+        glued = self.glue((cache.state.data, h), torch.stack([src, dst]), edge_type, weight,
+                          ptr=ptr_from_index(dst, h.size(0)))
         update, _ = self.experts(glued, delta.type_ptr, self.norm_expert)
         h = glued.add_(update)  # in place: the step's own rows (no autograd in a stream)
         h[tok].add_(self.broadcast(h[out]))  # a view's add_: no write-back of the slice (3 ops fewer)

@@ -288,6 +288,32 @@ def test_glue_diag_equals_sheafconv(monkeypatch, dtype, N, E):
     torch.testing.assert_close(out, ref, **tol)
 
 
+@needs_step_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_glue_diag_reads_bipartite_sources_in_place(monkeypatch, dtype):
+    """SheafConv on (x_src, x_dst) (a stream's cached sources, its new nodes): the kernel, which reads the sources
+    in place, equals the PyTorch path on the pair, nodes without in-edges and repeated sources included."""
+    g = torch.Generator().manual_seed(7)
+    conv = _random_(SheafConv(24, 4, map_kind="diag", num_edge_types=5, normalize="none"), g).to(dtype)
+    x_src, x_dst = torch.randn(50, 24, generator=g, dtype=dtype), torch.randn(6, 24, generator=g, dtype=dtype)
+    dst = torch.tensor([0, 0, 2, 2, 2, 5, 5, 5, 5])  # sorted; 1, 3, 4 have no in-edges
+    edge_index = torch.stack([torch.tensor([3, 49, 7, 7, 0, 12, 3, 40, 41]), dst])
+    edge_type, weight = torch.randint(0, 5, (9,), generator=g), torch.rand(9, generator=g, dtype=dtype)
+    ptr = torch.tensor([0, 2, 2, 5, 5, 5, 9])
+    with pytest.raises(RuntimeError, match="a source past the 50 rows"):
+        cpu_kernels.glue_diag()(x_dst, torch.tensor([50]), torch.tensor([0, 1, 1, 1, 1, 1, 1]), edge_type[:1],
+                                weight[:1], conv.map_lin.weight, conv.map_type_emb.weight, conv.weight_channel,
+                                conv.eps, x_src)
+    with torch.no_grad():
+        assert conv._kernel(x_dst, edge_index, edge_type, weight, ptr) is not None
+        out = conv((x_src, x_dst), edge_index, edge_type, weight, ptr=ptr)
+        monkeypatch.setenv("SHEAFGNN_CPU_KERNELS", "0")
+        ref = conv((x_src, x_dst), edge_index, edge_type, weight, ptr=ptr)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    assert out.shape == (6, 24)
+    torch.testing.assert_close(out, ref, **tol)
+
+
 def test_glue_diag_only_for_the_configuration_it_computes():
     x, edge_index = torch.randn(4, 8), torch.tensor([[0, 1], [2, 3]])
     args = (x, edge_index, torch.zeros(2, dtype=torch.long), torch.ones(2), torch.tensor([0, 0, 0, 1, 2]))

@@ -163,6 +163,26 @@ def test_sheafconv_saves_no_per_edge_stalk(map_kind):
         handle.remove()
 
 
+def test_bipartite_input_equals_the_graph_of_destinations_and_sources():
+    """(x_src, x_dst) as in PyG: the destinations' rows of the layer on [x_dst | x_src], edges shifted to the
+    source rows; unsorted edges without ptr, gradients, and the energies in edge order."""
+    torch.manual_seed(0)
+    conv = SheafConv(12, 3, map_kind="general", num_edge_types=3, normalize="in_degree").double()
+    x_src = torch.randn(9, 12, dtype=torch.double, requires_grad=True)
+    x_dst = torch.randn(4, 12, dtype=torch.double, requires_grad=True)
+    edge_index = torch.tensor([[8, 0, 3, 3, 5, 1], [2, 0, 2, 3, 0, 2]])
+    edge_type, weight = torch.tensor([0, 2, 1, 1, 0, 2]), torch.rand(6, dtype=torch.double)
+    out, energy = conv((x_src, x_dst), edge_index, edge_type, weight, return_energy=True)
+    shifted = torch.stack([edge_index[0] + 4, edge_index[1]])
+    ref, ref_energy = conv(torch.cat([x_dst, x_src]), shifted, edge_type, weight, return_energy=True)
+    torch.testing.assert_close(out, ref[:4])
+    torch.testing.assert_close(energy, ref_energy)
+    grads = torch.autograd.grad(out.square().sum(), (x_src, x_dst))
+    ref_grads = torch.autograd.grad(ref[:4].square().sum(), (x_src, x_dst))
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b)
+
+
 def test_no_edges_and_bad_shapes():
     Y = torch.randn(4, D, F, requires_grad=True)
     src = torch.empty(0, dtype=torch.long)

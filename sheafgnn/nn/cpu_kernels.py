@@ -16,8 +16,10 @@
     stream_keys(h (N, D), state (R, D), previous_row (T,), no_previous (T,), num_rows, query_weight, key_weight,
                 key_previous_weight) -> (query (N, r), key (num_rows, r))
         the learned topology's queries and keys of a stream batch's new nodes (stream.new_queries_and_keys)
-    glue_diag(x (N, D), src, ptr, edge_type, edge_weight, map_lin, map_type_emb, weight_channel, eps) -> (N, D)
-        SheafConv with diag maps in inference, edges sorted by destination (SheafConv.forward)
+    glue_diag(x (N, D), src, ptr, edge_type, edge_weight, map_lin, map_type_emb, weight_channel, eps, x_src)
+              -> (N, D)
+        SheafConv with diag maps in inference, edges sorted by destination, sources in x_src (bipartite) or x
+        (SheafConv.forward)
 
 A kernel's caller reads ~10 parameters and submodules of its layer per call, and each nn.Module attribute lookup
 costs 0.5-1 us of Python (a generation step made ~200 of them): :func:`registered` keeps them on the layer

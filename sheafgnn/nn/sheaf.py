@@ -195,28 +195,17 @@ class SheafConv(MessagePassing):
         super().__init__(aggr="sum", node_dim=0)
         name = self.__class__.__name__
         if stalk_dim < 1 or in_channels < 1:
-            raise ValueError(
-                f"{name}: in_channels and stalk_dim must be positive (got "
-                f"{in_channels} and {stalk_dim})")
+            raise ValueError(f"{name}: in_channels and stalk_dim must be positive (got {in_channels} and {stalk_dim})")
         if in_channels % stalk_dim != 0:
-            raise ValueError(
-                f"{name}: stalk_dim must divide in_channels (got {stalk_dim} "
-                f"and {in_channels})")
+            raise ValueError(f"{name}: stalk_dim must divide in_channels (got {stalk_dim} and {in_channels})")
         if map_kind not in MAP_KINDS:
-            raise ValueError(
-                f"{name}: map_kind must be one of {MAP_KINDS} (got "
-                f"{map_kind!r})")
+            raise ValueError(f"{name}: map_kind must be one of {MAP_KINDS} (got {map_kind!r})")
         if num_edge_types < 1:
-            raise ValueError(
-                f"{name}: num_edge_types must be >= 1 (got {num_edge_types})")
+            raise ValueError(f"{name}: num_edge_types must be >= 1 (got {num_edge_types})")
         if map_hidden_channels is not None and map_hidden_channels < 1:
-            raise ValueError(
-                f"{name}: map_hidden_channels must be >= 1 or None (got "
-                f"{map_hidden_channels})")
+            raise ValueError(f"{name}: map_hidden_channels must be >= 1 or None (got {map_hidden_channels})")
         if normalize not in NORMALIZATIONS:
-            raise ValueError(
-                f"{name}: normalize must be one of {NORMALIZATIONS} (got "
-                f"{normalize!r})")
+            raise ValueError(f"{name}: normalize must be one of {NORMALIZATIONS} (got {normalize!r})")
 
         self.in_channels = in_channels
         self.stalk_dim = stalk_dim
@@ -251,10 +240,8 @@ class SheafConv(MessagePassing):
         else:
             self._triu = None
 
-        self.weight_channel = nn.Parameter(torch.empty(self.channels,
-                                                       self.channels))  # W1
-        self.weight_stalk = (nn.Parameter(torch.empty(d, d))
-                             if stalk_mixing else None)  # W2
+        self.weight_channel = nn.Parameter(torch.empty(self.channels, self.channels))  # W1
+        self.weight_stalk = nn.Parameter(torch.empty(d, d)) if stalk_mixing else None  # W2
         self.eps = nn.Parameter(torch.empty(d))
 
         self.reset_parameters()
@@ -312,12 +299,7 @@ class SheafConv(MessagePassing):
             maps = torch.linalg.solve_ex(eye + a, eye - a)[0]  # (2 * num_edges, d, d)
         return maps[:num_edges], maps[num_edges:]
 
-    def restriction_maps(
-        self,
-        x: Tensor,
-        edge_index: Tensor,
-        edge_type: OptTensor = None,
-    ) -> tuple[Tensor, Tensor]:
+    def restriction_maps(self, x: Tensor, edge_index: Tensor, edge_type: OptTensor = None) -> tuple[Tensor, Tensor]:
         r"""Returns the dense restriction maps
         :math:`(\mathbf{F}_{u \trianglelefteq e}, \mathbf{F}_{v
         \trianglelefteq e})`, each :math:`(|\mathcal{E}|, d, d)`, in the order
@@ -333,9 +315,8 @@ class SheafConv(MessagePassing):
     # ------------------------------------------------------------------ #
     def _check_x(self, x: Tensor) -> None:
         if x.dim() != 2 or x.size(-1) != self.in_channels:
-            raise ValueError(
-                f"{self.__class__.__name__}: expected x of shape (N, "
-                f"in_channels={self.in_channels}) (got {tuple(x.shape)})")
+            raise ValueError(f"{self.__class__.__name__}: expected x of shape (N, in_channels={self.in_channels}) "
+                             f"(got {tuple(x.shape)})")
 
     def _edges_from_adj(self, adj_t, num_nodes: int):
         r"""(edge_index, ptr, values) from a transposed sparse adjacency,
@@ -355,19 +336,17 @@ class SheafConv(MessagePassing):
                 ptr = ptr_from_index(dst, num_nodes)
         return torch.stack([src, dst], dim=0), ptr.long(), value
 
-    def forward(
-        self,
-        x: Tensor,
-        edge_index: Tensor | SparseTensor,
-        edge_type: OptTensor = None,
-        edge_weight: OptTensor = None,
-        return_energy: bool = False,
-        ptr: OptTensor = None,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor | tuple[Tensor, Tensor], edge_index: Tensor | SparseTensor, edge_type: OptTensor = None,
+                edge_weight: OptTensor = None, return_energy: bool = False,
+                ptr: OptTensor = None) -> Tensor | tuple[Tensor, Tensor]:
         r"""Runs the forward pass of the module.
 
         Args:
-            x (torch.Tensor): Node stalks :math:`(N, d \cdot f)`.
+            x (torch.Tensor or (Tensor, Tensor)): Node stalks :math:`(N, d \cdot f)`; or, bipartite
+                as in PyG, the pair :obj:`(x_src, x_dst)`: :obj:`edge_index[0]` indexes the source
+                stalks :obj:`x_src`, :obj:`edge_index[1]` (and :obj:`ptr`) the destinations
+                :obj:`x_dst`, and the output has the destinations' rows (e.g. a stream's new nodes
+                glued to their cached sources).
             edge_index (torch.Tensor or SparseTensor): :math:`(2, |\mathcal{E}|)` edges
                 (source, destination), in any order; or a transposed sparse
                 adjacency (:class:`torch_sparse.SparseTensor` or
@@ -389,11 +368,13 @@ class SheafConv(MessagePassing):
                 :func:`sheafgnn.nn.segment.sort_by_destination`); skips the
                 sort. Not checked. (default: :obj:`None`)
         """
+        if isinstance(x, tuple):
+            return self._bipartite(*x, edge_index, edge_type, edge_weight, return_energy, ptr)
         self._check_x(x)
         call = None if return_energy else self._kernel(x, edge_index, edge_type, edge_weight, ptr)
         if call is not None:
             kernel, weights = call
-            return kernel(x, edge_index[0], ptr, edge_type, edge_weight, *weights)
+            return kernel(x, edge_index[0], ptr, edge_type, edge_weight, *weights, x.new_empty(0))
         N = x.size(0)
         d, f = self.stalk_dim, self.channels
         edges = self._sorted_edges(x, edge_index, edge_type, edge_weight, ptr)
@@ -430,6 +411,24 @@ class SheafConv(MessagePassing):
         if not return_energy:
             return out
         return out, self._energy(X, maps_src, maps_dst, edges)
+
+    def _bipartite(self, x_src: Tensor, x_dst: Tensor, edge_index: Tensor, edge_type: OptTensor,
+                   edge_weight: OptTensor, return_energy: bool, ptr: OptTensor) -> Tensor | tuple[Tensor, Tensor]:
+        r""":meth:`forward` on :obj:`(x_src, x_dst)`: the ``glue_diag`` kernel reads the sources where they are;
+        otherwise :meth:`forward` on :math:`[\mathbf{x}_{dst} \,\|\, \mathbf{x}_{src}[\text{sources}]]`
+        (a copy of each edge's source, which no edge enters), cut to the destinations' rows."""
+        self._check_x(x_src)
+        self._check_x(x_dst)
+        call = None if return_energy else self._kernel(x_dst, edge_index, edge_type, edge_weight, ptr)
+        if call is not None:
+            kernel, weights = call
+            return kernel(x_dst, edge_index[0], ptr, edge_type, edge_weight, *weights, x_src)
+        N, E = x_dst.size(0), edge_index.size(1)
+        local = torch.stack([torch.arange(N, N + E, device=x_dst.device), edge_index[1]])
+        ptr = None if ptr is None else torch.cat([ptr, ptr[-1:].expand(E)])
+        out = self.forward(torch.cat([x_dst, x_src[edge_index[0]]]), local, edge_type, edge_weight, return_energy,
+                           ptr)
+        return (out[0][:N], out[1]) if return_energy else out[:N]
 
     def _kernel(self, x: Tensor, edge_index, edge_type: OptTensor, edge_weight: OptTensor,
                 ptr: OptTensor) -> tuple | None:

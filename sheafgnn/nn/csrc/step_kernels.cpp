@@ -30,10 +30,12 @@
 //     the cached state of the token before (nothing where no_previous: position 0).
 //
 // glue_diag(x (N, d * f), src (E,), ptr (N + 1,), edge_type (E,), edge_weight (E,), map_lin (2d, d * f),
-//           map_type_emb (T, d), weight_channel (f, f), eps (d,)) -> (N, d * f)
+//           map_type_emb (T, d), weight_channel (f, f), eps (d,), x_src (R, d * f) or empty) -> (N, d * f)
 //     SheafConv with diag maps, no map hidden layer, no stalk mixing, normalize "none" and ELU, for edges sorted
 //     by destination (CSR ptr): per destination v, lap_v = sum_e alpha_e F_v (F_v Y_v - F_u Y_u) with
-//     F = tanh(map_lin halves + type embedding), Y = X W1, and out_v = (1 + tanh eps) X_v - ELU(lap_v).
+//     F = tanh(map_lin halves + type embedding), Y = X W1, and out_v = (1 + tanh eps) X_v - ELU(lap_v). Edge e's
+//     source is row src[e] of x_src (bipartite: a stream's new nodes read their cached sources in place), or
+//     of x where x_src is empty.
 //
 // Rows run in parallel (at::parallel_for, 8 rows a task: a batch-1 step stays on its thread). Products are
 // dot products over contiguous weight rows, 2 x 64 bytes of lanes at a time, so sums are in another order
@@ -402,7 +404,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> stream_po
 
 torch::Tensor glue_diag(torch::Tensor x, torch::Tensor src, torch::Tensor ptr, torch::Tensor edge_type,
                         torch::Tensor edge_weight, torch::Tensor map_lin, torch::Tensor map_type_emb,
-                        torch::Tensor weight_channel, torch::Tensor eps) {
+                        torch::Tensor weight_channel, torch::Tensor eps, torch::Tensor x_src) {
   const int64_t d = eps.numel(), f = weight_channel.size(0);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == d * f && weight_channel.sizes() == torch::IntArrayRef({f, f}) &&
               map_lin.sizes() == torch::IntArrayRef({2 * d, d * f}) && map_type_emb.dim() == 2 &&
@@ -410,10 +412,14 @@ torch::Tensor glue_diag(torch::Tensor x, torch::Tensor src, torch::Tensor ptr, t
               "(T, d), weight_channel (f, f), eps (d,), got ", x.sizes(), ", ", map_lin.sizes(), ", ",
               map_type_emb.sizes(), ", ", weight_channel.sizes(), ", ", eps.sizes());
   const int64_t N = x.size(0), E = src.numel(), T = map_type_emb.size(0), D = d * f;
-  TORCH_CHECK(ptr.numel() == N + 1 && edge_type.numel() == E && edge_weight.numel() == E,
-              "glue_diag: expected ptr (N + 1,) and one type and weight per edge");
-  check_cpu({x, edge_weight, map_lin, map_type_emb, weight_channel, eps}, x.scalar_type(), "glue_diag");
+  if (x_src.numel() == 0) x_src = x;  // the sources are rows of x
+  TORCH_CHECK(ptr.numel() == N + 1 && edge_type.numel() == E && edge_weight.numel() == E &&
+              x_src.dim() == 2 && x_src.size(1) == D, "glue_diag: expected ptr (N + 1,), one type and weight "
+              "per edge, and x_src (R, d * f) or empty, got ", ptr.sizes(), " and ", x_src.sizes());
+  const int64_t R = x_src.size(0);
+  check_cpu({x, edge_weight, map_lin, map_type_emb, weight_channel, eps, x_src}, x.scalar_type(), "glue_diag");
   x = x.contiguous();
+  x_src = x_src.contiguous();
   edge_weight = edge_weight.contiguous();
   map_lin = map_lin.contiguous();
   map_type_emb = map_type_emb.contiguous();
@@ -426,13 +432,14 @@ torch::Tensor glue_diag(torch::Tensor x, torch::Tensor src, torch::Tensor ptr, t
   TORCH_CHECK(pp[0] == 0 && pp[N] == E, "glue_diag: ptr must run from 0 to the number of edges");
   for (int64_t v = 0; v < N; ++v) TORCH_CHECK(pp[v] <= pp[v + 1], "glue_diag: ptr must not decrease");
   for (int64_t e = 0; e < E; ++e) {
-    TORCH_CHECK(sp[e] >= 0 && sp[e] < N && tp[e] >= 0 && tp[e] < T, "glue_diag: a source past the ", N,
+    TORCH_CHECK(sp[e] >= 0 && sp[e] < R && tp[e] >= 0 && tp[e] < T, "glue_diag: a source past the ", R,
                 " rows or an edge type past the ", T, " embeddings");
   }
   auto out = torch::empty({N, D}, x.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "glue_diag", [&] {
     using T_ = scalar_t;
-    const T_ *xp = x.data_ptr<T_>(), *wp = edge_weight.data_ptr<T_>(), *ml = map_lin.data_ptr<T_>();
+    const T_ *xp = x.data_ptr<T_>(), *xs = x_src.data_ptr<T_>(), *wp = edge_weight.data_ptr<T_>();
+    const T_* ml = map_lin.data_ptr<T_>();
     const T_ *emb = map_type_emb.data_ptr<T_>(), *w1 = weight_channel.data_ptr<T_>(), *ep = eps.data_ptr<T_>();
     T_* op = out.data_ptr<T_>();
     at::parallel_for(0, N, kGrain, [&](int64_t v0, int64_t v1) {
@@ -450,7 +457,7 @@ torch::Tensor glue_diag(torch::Tensor x, torch::Tensor src, torch::Tensor ptr, t
         std::fill(lap.begin(), lap.end(), T_(0));
         if (pp[v + 1] > pp[v]) transform(xv, g_v.data(), y_v.data());
         for (int64_t e = pp[v]; e < pp[v + 1]; ++e) {
-          transform(xp + sp[e] * D, g_u.data(), y_u.data());
+          transform(xs + sp[e] * D, g_u.data(), y_u.data());
           const T_* te = emb + tp[e] * d;
           for (int64_t i = 0; i < d; ++i) {
             const T_ f_u = std::tanh(g_u[i] + g_v[d + i] + te[i]);  // Psi(x_u, x_v)
