@@ -14,7 +14,7 @@ follow from the cached states of old ones::
       Phi patch chains     continue each (stream, chained type)'s SSM state
       choose               new destinations' pools from the cached keys: rule edges of the delta,
                            content blocks (cached block summaries), own block, random tokens
-      G gluing             SheafConv on [new nodes | the sources they read]; rows of the new nodes
+      G gluing             SheafConv on (cached states, new nodes): the new nodes read their sources in place
       E, broadcast         node-wise
     R                      logits of the new outputs
 
@@ -23,7 +23,7 @@ but the outputs (any of them can be a later source: random proposals reach
 any past token), the summary key of every complete content block, and the
 SSM state of the token chain and of every patch chain. Memory is
 O(nodes x (D + r)) per block, like a Transformer's KV cache. Shared by the
-blocks and streams: the cache row of every node by (site id, type, stream),
+blocks and streams, on the host: the cache row of every node by (site id, type, stream),
 and the position proposals of every position so far (both O(n) integers).
 
 **Cost per new token:** the site delta, O(1) SSM steps, the new nodes'
@@ -34,8 +34,10 @@ only term that grows with the context (as the design states).
 **Launches, not arithmetic.** A batch-1 step computes a few rows per block, so each PyTorch op costs its
 launch (a few microseconds on a CPU) far more than its work. Without gradients on the CPU, the step's
 compute runs in the C++ kernels of :mod:`sheafgnn.nn.cpu_kernels` (``ssm_step``, ``feed_forward``,
-``glue_diag``, and ``stream_pools`` for :func:`compete_outputs`), each one call where PyTorch dispatched
-10-40 ops; each is tested against its PyTorch reference.
+``glue_diag``, ``stream_keys`` for :func:`new_queries_and_keys` and ``stream_pools`` for :func:`compete_outputs`),
+each one call where PyTorch dispatched 10-40 ops; each is tested against its PyTorch reference. The delta's
+index bookkeeping (:meth:`SheafStream._delta`) runs in NumPy on the host tables, and a NumPy op on a few
+integers costs a tenth of a PyTorch op.
 
 Streamed logits equal the full forward's
 (``model(build_site(all ids so far))``) up to float rounding: the chunked
