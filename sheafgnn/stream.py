@@ -37,7 +37,8 @@ compute runs in the C++ kernels of :mod:`sheafgnn.nn.cpu_kernels` (``ssm_step``,
 ``glue_diag``, ``stream_keys`` for :func:`new_queries_and_keys` and ``stream_pools`` for :func:`compete_outputs`),
 each one call where PyTorch dispatched 10-40 ops; each is tested against its PyTorch reference. The delta's
 index bookkeeping (:meth:`SheafStream._delta`) runs in NumPy on the host tables, and a NumPy op on a few
-integers costs a tenth of a PyTorch op.
+integers costs a tenth of a PyTorch op. (On a GPU the delta's arrays, the (positions, B) table of token rows
+included, are copied to the device at every step: the step is built for the CPU.)
 
 Streamed logits equal the full forward's
 (``model(build_site(all ids so far))``) up to float rounding: the chunked

@@ -45,6 +45,8 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
+from sheafgnn.nn.norm_linear import fusable_norm
+
 _SOURCES = Path(__file__).parent / "csrc"
 # The step kernels' callers use them up to this many rows (per stream): a generation step's. Above, MKL's matmuls
 # (FeedForward: 14 against 42 us at 1 row, 226 against 116 us at 64) and best_blocks' tiled kernel win.
@@ -128,10 +130,7 @@ def norm_arguments(x: torch.Tensor, norm: nn.Module | None) -> tuple | None:
     norm; None for a norm the kernels do not compute (not an affine :class:`~torch.nn.LayerNorm` with bias)."""
     if norm is None:
         return x.new_empty(0), x.new_empty(0), 0.0
-    if type(norm) is not nn.LayerNorm or not norm.elementwise_affine:
-        return None
-    weight, bias = registered(norm, ("weight", "bias"))
-    return None if bias is None else (weight, bias, norm.eps)
+    return (*registered(norm, ("weight", "bias")), norm.eps) if fusable_norm(norm) else None
 
 
 def _kernel(source: str, name: str):
