@@ -50,6 +50,7 @@ from torch_geometric.data import HeteroData
 
 from sheafgnn.config import ConfigFile
 from sheafgnn.memory import tune_cpu_process
+from sheafgnn.nn import cpu_kernels
 from sheafgnn.nn.experts import PatchExperts
 from sheafgnn.nn.proposals import BLOCK_SUMMARIES
 from sheafgnn.nn.quant import apply_quant, validate_quant
@@ -245,9 +246,22 @@ class SheafBlock(nn.Module):
         # Bipartite gluing: the new nodes (destinations) read their sources' cached states in place.
         glued = self.glue((cache.state.data, h), torch.stack([src, dst]), edge_type, weight,
                           ptr=ptr_from_index(dst, h.size(0)))
-        update, _ = self.experts(glued, delta.type_ptr, self.norm_expert)
+        return self.step_tail(glued, delta.type_ptr, tok.stop)
+
+    def step_tail(self, glued: Tensor, type_ptr: list[int], num_tokens: int) -> Tensor:
+        """E and the broadcast on a step's glued rows (N, D) (the tokens first, the outputs last):
+        ``glued + E(glued)``, then output t's row through ``broadcast`` added to token t's. In inference on a
+        step's few rows one call of the C++ kernel ``block_tail`` (:mod:`sheafgnn.nn.cpu_kernels`); elsewhere,
+        and as its reference, the PyTorch ops."""
+        call = self.experts.fused_call(glued, type_ptr, self.norm_expert)
+        broadcast, weight, bias = cpu_kernels.registered(self, ("broadcast", "broadcast.weight", "broadcast.bias"))
+        kernel = cpu_kernels.block_tail() if call is not None and type(broadcast) is nn.Linear and bias is None \
+            else None
+        if kernel is not None:
+            return kernel(glued, *call, weight, num_tokens)
+        update, _ = self.experts(glued, type_ptr, self.norm_expert)
         h = glued.add_(update)  # in place: the step's own rows (no autograd in a stream)
-        h[tok].add_(self.broadcast(h[out]))  # a view's add_: no write-back of the slice (3 ops fewer)
+        h[:num_tokens].add_(self.broadcast(h[h.size(0) - num_tokens :]))  # a view's add_: no write-back of the slice
         return h
 
 

@@ -2,12 +2,15 @@
 import pytest
 import torch
 
+from sheafgnn.model import SheafBlock
 from sheafgnn.nn import cpu_kernels
 from sheafgnn.nn.experts import FeedForward, PatchExperts, feed_forward_reference
 from sheafgnn.nn.proposals import best_blocks, content_blocks, ranked_blocks_reference
 from sheafgnn.nn.segment import sort_by_destination
 from sheafgnn.nn.sheaf import SheafConv
 from sheafgnn.nn.ssm import SelectiveSSM, SSMState
+
+from .conftest import small_model_config
 
 block_topk = cpu_kernels.block_topk()
 needs_kernel = pytest.mark.skipif(block_topk is None, reason="the block_topk kernel is disabled or could not be built")
@@ -175,7 +178,7 @@ def test_patch_experts_in_one_kernel_call_equal_each_type_by_the_reference(dtype
         type_ptr.append(type_ptr[-1] + c)
     x = torch.randn(type_ptr[-1], 12, generator=g, dtype=dtype) * 3
     with torch.no_grad():
-        assert experts._fused(x, type_ptr, norm) is not None
+        assert experts.fused_call(x, type_ptr, norm) is not None
         out, balance = experts(x, type_ptr, norm)
     ref = torch.cat([feed_forward_reference(x[type_ptr[t] : type_ptr[t + 1]], e.fc.weight, e.fc.bias, e.proj.weight,
                                             e.proj.bias, norm.weight, norm.bias, norm.eps)
@@ -185,12 +188,31 @@ def test_patch_experts_in_one_kernel_call_equal_each_type_by_the_reference(dtype
     assert balance.item() == 0.0
 
 
+@needs_step_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("counts", [[1, 0, 1], [3, 2, 3], [2, 0, 2]])
+def test_block_tail_equals_experts_and_broadcast(monkeypatch, full_config, dtype, counts):
+    """SheafBlock.step_tail on a step's rows (tokens, patches, outputs): the block_tail kernel equals the PyTorch
+    composition, glued + E(glued) and then output t's row through broadcast added to token t's."""
+    g = torch.Generator().manual_seed(sum(counts))
+    block = _random_(SheafBlock(small_model_config(full_config, d_model=16)), g).to(dtype)
+    type_ptr = [0, counts[0]] + [counts[0] + counts[1]] * (block.experts.num_types - 2) + [sum(counts)]
+    glued = torch.randn(sum(counts), 16, generator=g, dtype=dtype)
+    with torch.no_grad():
+        assert block.experts.fused_call(glued, type_ptr, block.norm_expert) is not None
+        out = block.step_tail(glued.clone(), type_ptr, counts[0])
+        monkeypatch.setenv("SHEAFGNN_CPU_KERNELS", "0")
+        ref = block.step_tail(glued.clone(), type_ptr, counts[0])
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out, ref, **tol)
+
+
 def test_patch_experts_fuse_only_one_plain_expert_per_type_in_inference():
     x, type_ptr = torch.randn(3, 8), [0, 2, 3]
-    assert PatchExperts(8, 2, 16)._fused(x, type_ptr, None) is None  # gradients on
+    assert PatchExperts(8, 2, 16).fused_call(x, type_ptr, None) is None  # gradients on
     with torch.no_grad():
-        assert PatchExperts(8, 2, 16, num_experts=2)._fused(x, type_ptr, None) is None  # routed experts
-        assert PatchExperts(8, 2, 16)._fused(torch.randn(cpu_kernels.STEP_ROWS + 1, 8), [0, 1, 17], None) is None
+        assert PatchExperts(8, 2, 16, num_experts=2).fused_call(x, type_ptr, None) is None  # routed experts
+        assert PatchExperts(8, 2, 16).fused_call(torch.randn(cpu_kernels.STEP_ROWS + 1, 8), [0, 1, 17], None) is None
 
 
 def test_registered_follows_every_registration_and_keeps_in_place_changes():

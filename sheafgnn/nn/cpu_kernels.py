@@ -6,8 +6,13 @@
         the k best blocks of every row by <query, key> in [first, last), best first, -1: fewer qualify
     ssm_step(x (b, D), conv, ssm, *SelectiveSSM parameters) -> (y, conv', ssm')   csrc/step_kernels.cpp
         one step of every chain's selective SSM recurrence (SelectiveSSM.step)
-    feed_forward(x (n, C), norm_weight, norm_bias, eps, fc_weight, fc_bias, proj_weight, proj_bias) -> (n, C)
-        proj(gelu(fc(layer_norm(x)))) on the few rows of a generation step (FeedForward)
+    feed_forward(x (n, C), ptr, norm_weight, norm_bias, eps, fc_weights, fc_biases, proj_weights, proj_biases)
+                 -> (n, C)
+        proj_s(gelu(fc_s(layer_norm(x)))) on each row segment s of a generation step's few rows (FeedForward,
+        PatchExperts)
+    block_tail(x (n, C), ptr, norm_weight, norm_bias, eps, fc_weights, fc_biases, proj_weights, proj_biases,
+               broadcast_weight, T) -> (n, C)
+        x + feed_forward(x, ...), then the first T rows += broadcast_weight @ the last T (SheafBlock.step's tail)
     stream_pools(query, keys, sources, types, type_bias, sink, k, root, sink_threshold, block_query, block_key,
                  stream, last, token_rows, num_blocks, block_size, content_type, first_dst)
                  -> (source, dst, type, weight), (M k,) each
@@ -153,6 +158,11 @@ def ssm_step():
 def feed_forward():
     """The ``feed_forward`` kernel (see the module docstring), or None: disabled or not buildable."""
     return _kernel("step_kernels", "feed_forward")
+
+
+def block_tail():
+    """The ``block_tail`` kernel (see the module docstring), or None: disabled or not buildable."""
+    return _kernel("step_kernels", "block_tail")
 
 
 def glue_diag():

@@ -116,8 +116,8 @@ class FeedForward(nn.Module):
             return _LeanFeedForward.apply(x, fc.weight, fc.bias, proj.weight, proj.bias, *args)
         call = self.kernel(x, norm)
         if call is not None:
-            kernel, x_norm, weights = call
-            return kernel(x, [0, x.size(0)], *x_norm, *weights)
+            x_norm, weights = call
+            return cpu_kernels.feed_forward()(x, [0, x.size(0)], *x_norm, *weights)
         return proj(F.gelu(fc(x if norm is None else norm(x))))
 
     def plain(self, norm: nn.LayerNorm | None) -> bool:
@@ -125,8 +125,8 @@ class FeedForward(nn.Module):
         return type(self.fc) is nn.Linear and type(self.proj) is nn.Linear and (norm is None or fusable_norm(norm))
 
     def kernel(self, x: Tensor, norm: nn.LayerNorm | None) -> tuple | None:
-        """The ``feed_forward`` kernel's call for the few rows ``x`` of an inference step (:func:`feed_forward_call`
-        of this block), else None."""
+        """The ``feed_forward`` kernel's arguments for the few rows ``x`` of an inference step
+        (:func:`feed_forward_call` of this block), else None."""
         return feed_forward_call(x, norm, [cpu_kernels.registered(self, _BLOCK)])
 
 
@@ -135,18 +135,18 @@ _BLOCK = ("fc", "proj", "fc.weight", "fc.bias", "proj.weight", "proj.bias")
 
 
 def feed_forward_call(x: Tensor, norm: nn.LayerNorm | None, blocks: list[tuple]) -> tuple | None:
-    """The ``feed_forward`` kernel, ``norm``'s arguments (:func:`~sheafgnn.nn.cpu_kernels.norm_arguments`) and
-    the weights of ``blocks`` (per :class:`FeedForward`: its ``_BLOCK`` objects), as lists of fc weights, fc
-    biases, proj weights and proj biases, one entry a row segment; or None where the kernel does not compute
-    what the blocks do: more than a step's rows, gradients, not the CPU or float32/64 in the weights' dtype,
-    quantised layers, a norm other than an affine LayerNorm."""
+    """The ``feed_forward`` kernel's arguments after ``x`` and its row segments: ``norm``'s
+    (:func:`~sheafgnn.nn.cpu_kernels.norm_arguments`) and the weights of ``blocks`` (per :class:`FeedForward`:
+    its ``_BLOCK`` objects) as lists of fc weights, fc biases, proj weights and proj biases, one entry a
+    segment; or None where the kernel does not compute what the blocks do: more than a step's rows,
+    gradients, not the CPU or float32/64 in the weights' dtype, quantised layers, a norm other than an
+    affine LayerNorm, or no kernel built."""
     x_norm = cpu_kernels.norm_arguments(x, norm)
     if x.size(0) > cpu_kernels.STEP_ROWS or x_norm is None or \
             any(type(block[0]) is not nn.Linear or type(block[1]) is not nn.Linear for block in blocks) or \
-            not cpu_kernels.kernel_inputs(x, blocks[0][2].dtype):
+            not cpu_kernels.kernel_inputs(x, blocks[0][2].dtype) or cpu_kernels.feed_forward() is None:
         return None
-    kernel = cpu_kernels.feed_forward()
-    return None if kernel is None else (kernel, x_norm, [list(w) for w in zip(*(block[2:] for block in blocks))])
+    return x_norm, [list(w) for w in zip(*(block[2:] for block in blocks))]
 
 
 @functools.cache
@@ -216,9 +216,9 @@ class PatchExperts(nn.Module):
         if len(type_ptr) != self.num_types + 1 or type_ptr[0] != 0 or type_ptr[-1] != x.size(0):
             raise ValueError(f"PatchExperts: type_ptr must have {self.num_types + 1} entries from 0 to "
                              f"x.size(0) = {x.size(0)} (got {list(type_ptr)})")
-        fused = self._fused(x, type_ptr, norm)
-        if fused is not None:
-            return fused, x.new_zeros(())
+        call = self.fused_call(x, type_ptr, norm)
+        if call is not None:
+            return cpu_kernels.feed_forward()(x, *call), x.new_zeros(())
         outs, losses = [], []
         if torch.is_grad_enabled():
             # A split, not slices: its backward is one cat, where each slice's would zero-fill x's gradient. A type
@@ -235,10 +235,11 @@ class PatchExperts(nn.Module):
         balance = torch.stack(losses).sum() / self.num_types if losses else x.new_zeros(())
         return (torch.cat(outs) if outs else torch.zeros_like(x)), balance
 
-    def _fused(self, x: Tensor, type_ptr: list[int], norm: nn.LayerNorm | None) -> Tensor | None:
-        """Inference on a step's few rows with one expert per type: every present type's expert in one call
-        of the ``feed_forward`` kernel (one module call and slice per type fewer); None where
-        :meth:`FeedForward.kernel` would not run."""
+    def fused_call(self, x: Tensor, type_ptr: list[int], norm: nn.LayerNorm | None) -> tuple | None:
+        """Inference on a step's few rows with one expert per type: the ``feed_forward`` kernel's arguments after
+        ``x`` that run every present type's expert in one call (one module call and slice per type fewer):
+        the row segments, then :func:`feed_forward_call`'s, flat; None where :meth:`FeedForward.kernel` would not
+        run."""
         if self.routers is not None or torch.is_grad_enabled():
             return None
         present = tuple(t for t in range(self.num_types) if type_ptr[t + 1] > type_ptr[t])
@@ -247,8 +248,8 @@ class PatchExperts(nn.Module):
             else None
         if call is None:
             return None
-        kernel, x_norm, weights = call
-        return kernel(x, [type_ptr[t] for t in present] + [type_ptr[-1]], *x_norm, *weights)
+        x_norm, weights = call
+        return [type_ptr[t] for t in present] + [type_ptr[-1]], *x_norm, *weights
 
     def __repr__(self) -> str:
         return (f"{self.__class__.__name__}({self.channels}, num_types={self.num_types}, "

@@ -11,6 +11,10 @@
 //              fc_bias [S x (F_s)], proj_weight [S x (C, F_s)], proj_bias [S x (C)]) -> (n, C)
 //     proj_s(gelu(fc_s(layer_norm(x)))) on rows ptr[s] to ptr[s + 1] (S feed-forward blocks, e.g. one per node
 //     type, in one call), the exact (erf) GELU; no norm where norm_weight is empty.
+// block_tail(x (n, C), ptr, norm_weight, norm_bias, eps, fc_weight, fc_bias, proj_weight, proj_bias (as for
+//            feed_forward), broadcast_weight (C, C), T) -> (n, C)
+//     SheafBlock.step's tail: y = x + feed_forward(x, ...) (the experts' residual), then y[t] += broadcast_weight
+//     y[n - T + t] for t < T (output t, among the last T rows, broadcast to token t, among the first T).
 // stream_pools(query, keys, sources (M, P0), types, type_bias, sink, k, root, sink_threshold, block_query (M, r'),
 //              block_key (J, S, r'), stream (M,), last (M,), token_rows (n, S), num_blocks, block_size, content_type,
 //              first_dst) -> (source, dst, type, weight), (M k',) each, k' = min(k, P), P = num_blocks * B + P0
@@ -213,56 +217,91 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> ssm_step(
   return {y, conv_new, ssm_new};
 }
 
-torch::Tensor feed_forward(torch::Tensor x, std::vector<int64_t> ptr, torch::Tensor norm_weight,
-                           torch::Tensor norm_bias, double eps, std::vector<torch::Tensor> fc_weight,
-                           std::vector<torch::Tensor> fc_bias, std::vector<torch::Tensor> proj_weight,
-                           std::vector<torch::Tensor> proj_bias) {
-  TORCH_CHECK(x.dim() == 2, "feed_forward: expected x (n, C), got ", x.sizes());
+// feed_forward and block_tail: out = [x +] FFN_s(x) per row segment s, then, with a broadcast weight, the first T
+// rows += broadcast_weight @ the last T rows (output t -> token t).
+torch::Tensor segment_feed_forward(torch::Tensor x, const std::vector<int64_t>& ptr, torch::Tensor norm_weight,
+                                   torch::Tensor norm_bias, double eps, const std::vector<torch::Tensor>& fc_weight,
+                                   const std::vector<torch::Tensor>& fc_bias,
+                                   const std::vector<torch::Tensor>& proj_weight,
+                                   const std::vector<torch::Tensor>& proj_bias, bool residual,
+                                   torch::Tensor broadcast_weight, int64_t T, const char* name) {
+  TORCH_CHECK(x.dim() == 2, name, ": expected x (n, C), got ", x.sizes());
   const int64_t n = x.size(0), C = x.size(1), S = static_cast<int64_t>(ptr.size()) - 1;
   TORCH_CHECK(S >= 1 && ptr[0] == 0 && ptr[S] == n && std::is_sorted(ptr.begin(), ptr.end()),
-              "feed_forward: ptr must rise from 0 to x.size(0) = ", n, ", got ", torch::IntArrayRef(ptr));
+              name, ": ptr must rise from 0 to x.size(0) = ", n, ", got ", torch::IntArrayRef(ptr));
   TORCH_CHECK(static_cast<int64_t>(fc_weight.size()) == S && static_cast<int64_t>(fc_bias.size()) == S &&
               static_cast<int64_t>(proj_weight.size()) == S && static_cast<int64_t>(proj_bias.size()) == S,
-              "feed_forward: need one set of weights per segment (", S, ")");
-  const bool normed = norm_weight.numel() > 0;
+              name, ": need one set of weights per segment (", S, ")");
+  const bool normed = norm_weight.numel() > 0, broadcast = broadcast_weight.defined() && broadcast_weight.numel() > 0;
   TORCH_CHECK(!normed || (norm_weight.numel() == C && norm_bias.numel() == C),
-              "feed_forward: the norm's shapes do not match x (n, ", C, ")");
+              name, ": the norm's shapes do not match x (n, ", C, ")");
+  TORCH_CHECK(!broadcast || (broadcast_weight.sizes() == torch::IntArrayRef({C, C}) && T >= 0 && 2 * T <= n),
+              name, ": expected broadcast_weight (C, C) and 2 T <= n rows, got ", broadcast_weight.sizes(), " and T = ",
+              T);
   std::vector<std::vector<torch::Tensor>> weights;  // per segment: fc weight, bias, proj weight, bias (+ norm)
   for (int64_t s = 0; s < S; ++s) {
     const int64_t F = fc_weight[s].size(0);
     TORCH_CHECK(fc_weight[s].sizes() == torch::IntArrayRef({F, C}) && fc_bias[s].numel() == F &&
                 proj_weight[s].sizes() == torch::IntArrayRef({C, F}) && proj_bias[s].numel() == C,
-                "feed_forward: segment ", s, "'s parameter shapes do not match x (n, ", C, ")");
+                name, ": segment ", s, "'s parameter shapes do not match x (n, ", C, ")");
     weights.push_back(checked_args({x, fc_weight[s], fc_bias[s], proj_weight[s], proj_bias[s]}, normed,
-                                   norm_weight, norm_bias, "feed_forward"));
+                                   norm_weight, norm_bias, name));
   }
+  if (broadcast) broadcast_weight = checked_args({x, broadcast_weight}, false, {}, {}, name)[1];
   auto out = torch::empty({n, C}, x.options());
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "feed_forward", [&] {
-    using T = scalar_t;
-    const T* xp = weights[0][0].data_ptr<T>();
-    const T* nw = normed ? weights[0][5].data_ptr<T>() : nullptr;
-    const T* nb = normed ? weights[0][6].data_ptr<T>() : nullptr;
-    T* op = out.data_ptr<T>();
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "segment_feed_forward", [&] {
+    using T_ = scalar_t;
+    const T_* xp = weights[0][0].data_ptr<T_>();
+    const T_* nw = normed ? weights[0][5].data_ptr<T_>() : nullptr;
+    const T_* nb = normed ? weights[0][6].data_ptr<T_>() : nullptr;
+    T_* op = out.data_ptr<T_>();
     at::parallel_for(0, n, kGrain, [&](int64_t r0, int64_t r1) {
-      std::vector<T> xn(C), u;
+      std::vector<T_> xn(C), u;
       int64_t s = std::upper_bound(ptr.begin(), ptr.end(), r0) - ptr.begin() - 1;  // the segment of row r0
       for (int64_t r = r0; r < r1; ++r) {
         while (r >= ptr[s + 1]) ++s;
         const auto& w = weights[s];
         const int64_t F = w[1].size(0);
         u.resize(F);
-        const T* row = xp + r * C;
+        const T_* row = xp + r * C;
         if (normed) {
           layer_norm_row(row, nw, nb, eps, C, xn.data());
           row = xn.data();
         }
-        linear(row, w[1].data_ptr<T>(), w[2].data_ptr<T>(), u.data(), F, C);
-        for (int64_t f = 0; f < F; ++f) u[f] = T(0.5) * u[f] * (T(1) + std::erf(u[f] * T(M_SQRT1_2)));
-        linear(u.data(), w[3].data_ptr<T>(), w[4].data_ptr<T>(), op + r * C, C, F);
+        linear(row, w[1].data_ptr<T_>(), w[2].data_ptr<T_>(), u.data(), F, C);
+        for (int64_t f = 0; f < F; ++f) u[f] = T_(0.5) * u[f] * (T_(1) + std::erf(u[f] * T_(M_SQRT1_2)));
+        linear(u.data(), w[3].data_ptr<T_>(), w[4].data_ptr<T_>(), op + r * C, C, F);
+        if (residual)
+          for (int64_t c = 0; c < C; ++c) op[r * C + c] += xp[r * C + c];
       }
     });
+    if (broadcast) {  // after every row: the token rows read the finished output rows
+      const T_* bw = broadcast_weight.data_ptr<T_>();
+      std::vector<T_> b(C);
+      for (int64_t t = 0; t < T; ++t) {
+        linear(op + (n - T + t) * C, bw, static_cast<const T_*>(nullptr), b.data(), C, C);
+        for (int64_t c = 0; c < C; ++c) op[t * C + c] += b[c];
+      }
+    }
   });
   return out;
+}
+
+torch::Tensor feed_forward(torch::Tensor x, std::vector<int64_t> ptr, torch::Tensor norm_weight,
+                           torch::Tensor norm_bias, double eps, std::vector<torch::Tensor> fc_weight,
+                           std::vector<torch::Tensor> fc_bias, std::vector<torch::Tensor> proj_weight,
+                           std::vector<torch::Tensor> proj_bias) {
+  return segment_feed_forward(x, ptr, norm_weight, norm_bias, eps, fc_weight, fc_bias, proj_weight, proj_bias, false,
+                              torch::Tensor(), 0, "feed_forward");
+}
+
+torch::Tensor block_tail(torch::Tensor x, std::vector<int64_t> ptr, torch::Tensor norm_weight, torch::Tensor norm_bias,
+                         double eps, std::vector<torch::Tensor> fc_weight, std::vector<torch::Tensor> fc_bias,
+                         std::vector<torch::Tensor> proj_weight, std::vector<torch::Tensor> proj_bias,
+                         torch::Tensor broadcast_weight, int64_t num_tokens) {
+  TORCH_CHECK(broadcast_weight.defined() && broadcast_weight.numel() > 0, "block_tail: needs a broadcast weight");
+  return segment_feed_forward(x, ptr, norm_weight, norm_bias, eps, fc_weight, fc_bias, proj_weight, proj_bias, true,
+                              broadcast_weight, num_tokens, "block_tail");
 }
 
 // One destination's dense competition (stream_pools): its pool's scores, then the k best in the order
@@ -536,6 +575,7 @@ std::tuple<torch::Tensor, torch::Tensor> stream_keys(torch::Tensor h, torch::Ten
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ssm_step", &ssm_step, "One step of every chain's selective SSM recurrence (see step_kernels.cpp)");
   m.def("feed_forward", &feed_forward, "proj(gelu(fc(layer_norm(x)))) on a few rows (see step_kernels.cpp)");
+  m.def("block_tail", &block_tail, "x + the experts of x, then the broadcast (see step_kernels.cpp)");
   m.def("glue_diag", &glue_diag, "SheafConv with diag maps for inference (see step_kernels.cpp)");
   m.def("stream_pools", &stream_pools, "The competition of a stream batch's new outputs (see step_kernels.cpp)");
   m.def("stream_keys", &stream_keys, "The topology queries and keys of new nodes (see step_kernels.cpp)");
