@@ -155,7 +155,8 @@ def rebuild_latency(model, ids: torch.Tensor, steps: int) -> dict:
 
 def plot(rows: list[dict], path: Path) -> None:
     fig, axes = pyplot().subplots(1, 2, figsize=(11, 4))
-    for (kind, batch), style in zip(sorted({(r["model"], r["batch"]) for r in rows}), ("o-", "s-", "^-", "v--", "d:")):
+    for (kind, batch), style in zip(sorted({(r["model"], r["batch"]) for r in rows}),
+                                  ("o-", "s-", "^-", "v--", "d:", "x-.")):
         sel = sorted((r for r in rows if r["model"] == kind and r["batch"] == batch), key=lambda r: r["n"])
         label = f"{kind}, batch {batch}"
         axes[0].plot([r["n"] for r in sel], [1e3 * r["latency_s"] for r in sel], style, label=label)
