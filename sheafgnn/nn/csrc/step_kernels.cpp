@@ -53,6 +53,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <numeric>
 #include <tuple>
@@ -116,11 +117,13 @@ inline void layer_norm_row(const T* row, const T* weight, const T* bias, double 
   for (int64_t c = 0; c < C; ++c) out[c] = (row[c] - mean) * rstd * weight[c] + bias[c];
 }
 
-void check_cpu(const std::vector<torch::Tensor>& tensors, torch::ScalarType dtype, const char* name) {
-  for (const auto& t : tensors) {
-    TORCH_CHECK(t.device().is_cpu(), name, ": CPU tensors only");
-    TORCH_CHECK(t.scalar_type() == dtype, name, ": every tensor needs the dtype of x (", dtype, "), got ",
-                t.scalar_type());
+// A kernel's floating tensors, checked to be on the CPU in `dtype` (that of its x) and made contiguous, in place.
+void cpu_contiguous(std::initializer_list<torch::Tensor*> tensors, torch::ScalarType dtype, const char* name) {
+  for (torch::Tensor* t : tensors) {
+    TORCH_CHECK(t->device().is_cpu(), name, ": CPU tensors only");
+    TORCH_CHECK(t->scalar_type() == dtype, name, ": every tensor needs the dtype of x (", dtype, "), got ",
+                t->scalar_type());
+    *t = t->contiguous();
   }
 }
 
@@ -132,8 +135,8 @@ std::vector<torch::Tensor> checked_args(std::vector<torch::Tensor> args, bool no
     args.push_back(weight);
     args.push_back(bias);
   }
-  check_cpu(args, args[0].scalar_type(), name);
-  for (auto& t : args) t = t.contiguous();
+  const auto dtype = args[0].scalar_type();
+  for (auto& t : args) cpu_contiguous({&t}, dtype, name);
   return args;
 }
 
@@ -247,7 +250,7 @@ torch::Tensor segment_feed_forward(torch::Tensor x, const std::vector<int64_t>& 
     weights.push_back(checked_args({x, fc_weight[s], fc_bias[s], proj_weight[s], proj_bias[s]}, normed,
                                    norm_weight, norm_bias, name));
   }
-  if (broadcast) broadcast_weight = checked_args({x, broadcast_weight}, false, {}, {}, name)[1];
+  if (broadcast) cpu_contiguous({&broadcast_weight}, x.scalar_type(), name);
   auto out = torch::empty({n, C}, x.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "segment_feed_forward", [&] {
     using T_ = scalar_t;
@@ -362,19 +365,13 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> stream_po
                          token_rows.size(0) >= block_key.size(0) * B),
               "stream_pools: expected block_query (M, r'), block_key (J, S, r'), stream and last (M,), token_rows "
               "(>= J * block_size, S), got ", block_query.sizes(), ", ", block_key.sizes(), ", ", token_rows.sizes());
-  std::vector<torch::Tensor> floats{query, keys, type_bias, sink};
-  if (m > 0) floats.push_back(block_query), floats.push_back(block_key);
-  check_cpu(floats, query.scalar_type(), "stream_pools");
-  query = query.contiguous();
-  keys = keys.contiguous();
-  type_bias = type_bias.contiguous();
-  sink = sink.contiguous();
+  const auto dtype = query.scalar_type();
+  cpu_contiguous({&query, &keys, &type_bias, &sink}, dtype, "stream_pools");
+  if (m > 0) cpu_contiguous({&block_query, &block_key}, dtype, "stream_pools");
   sources = sources.to(torch::kLong).contiguous();
   types = types.to(torch::kLong).contiguous();
   const int64_t J = m > 0 ? block_key.size(0) : 0, S = m > 0 ? block_key.size(1) : 1;
   if (m > 0) {
-    block_query = block_query.contiguous();
-    block_key = block_key.contiguous();
     stream = stream.to(torch::kLong).contiguous();
     last = last.to(torch::kLong).contiguous();
     // read in place through its strides: a stream's table of rows is a strided view that grows with the context
@@ -456,14 +453,8 @@ torch::Tensor glue_diag(torch::Tensor x, torch::Tensor src, torch::Tensor ptr, t
               x_src.dim() == 2 && x_src.size(1) == D, "glue_diag: expected ptr (N + 1,), one type and weight "
               "per edge, and x_src (R, d * f) or empty, got ", ptr.sizes(), " and ", x_src.sizes());
   const int64_t R = x_src.size(0);
-  check_cpu({x, edge_weight, map_lin, map_type_emb, weight_channel, eps, x_src}, x.scalar_type(), "glue_diag");
-  x = x.contiguous();
-  x_src = x_src.contiguous();
-  edge_weight = edge_weight.contiguous();
-  map_lin = map_lin.contiguous();
-  map_type_emb = map_type_emb.contiguous();
-  weight_channel = weight_channel.contiguous();
-  eps = eps.contiguous();
+  cpu_contiguous({&x, &edge_weight, &map_lin, &map_type_emb, &weight_channel, &eps, &x_src}, x.scalar_type(),
+                 "glue_diag");
   src = src.to(torch::kLong).contiguous();
   ptr = ptr.to(torch::kLong).contiguous();
   edge_type = edge_type.to(torch::kLong).contiguous();
@@ -534,12 +525,7 @@ std::tuple<torch::Tensor, torch::Tensor> stream_keys(torch::Tensor h, torch::Ten
               key_previous_weight.sizes() == query_weight.sizes(),
               "stream_keys: expected three (r, D) weights, got ", query_weight.sizes(), ", ", key_weight.sizes(),
               ", ", key_previous_weight.sizes());
-  check_cpu({h, state, query_weight, key_weight, key_previous_weight}, h.scalar_type(), "stream_keys");
-  h = h.contiguous();
-  state = state.contiguous();
-  query_weight = query_weight.contiguous();
-  key_weight = key_weight.contiguous();
-  key_previous_weight = key_previous_weight.contiguous();
+  cpu_contiguous({&h, &state, &query_weight, &key_weight, &key_previous_weight}, h.scalar_type(), "stream_keys");
   previous_row = previous_row.to(torch::kLong).contiguous();
   no_previous = no_previous.to(torch::kBool).contiguous();
   const int64_t* prev = previous_row.data_ptr<int64_t>();
