@@ -142,8 +142,8 @@ class StreamDelta(FlatBlocks):
     token_streams: list[int]  # streams with new tokens, in order
     token_stream: Tensor  # (T,) stream of each new token (and output)
     token_reset: Tensor  # (T,) True at each stream's first new token
-    token_pos: Tensor  # (T,) position of each new token (and output) in its stream
-    token_block: Tensor  # (T,) its content block (token_pos // proposal_block): the blocks before it are complete
+    token_block: Tensor  # (T,) content block of each new token's (and output's) position in its stream
+    # (position // proposal_block): the blocks before it are complete
     previous_row: Tensor  # (T,) cache row of the token before each new token (any row at position 0)
     no_previous: Tensor  # (T, 1) True at position 0 (no token before)
     cover_src: Tensor  # (C,) cache row of the token of each cover edge into a new patch
@@ -282,8 +282,8 @@ class SheafStream(TokenStream):
             type_ptr, tensor(np.arange(len(FLAT_TYPES)).repeat([sum(per_stream) for per_stream in counts])),
             concat([d.ids for d in present]), concat([d.attrs["topic"] for d in present]),
             concat([d.attrs["workspace"] for d in present]), first_row, [b for b, _, _ in tokens],
-            tensor(token_stream), tensor(token_reset), tensor(token_pos),
-            tensor(token_pos // self.model.config.proposal_block), tensor(previous_row),
+            tensor(token_stream), tensor(token_reset), tensor(token_pos // self.model.config.proposal_block),
+            tensor(previous_row),
             tensor(token_pos[:, None] == 0), tensor(cover_src), tensor(cover_ptr), [row for row, _ in chains],
             tensor(chain_reset),
             (tensor(rule_src[:into_patch]), tensor(rule_dst[:into_patch]), tensor(rule_type[:into_patch])),

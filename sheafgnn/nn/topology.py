@@ -283,11 +283,6 @@ class LearnedTopology(nn.Module):
         top, pick = score.sort(dim=1, descending=True, stable=True)
         top, pick = top[:, : self.k], pick[:, : self.k]  # (M, k)
         weight = torch.cat([top, sink], 1).softmax(1)[:, :-1]  # (M, k): -inf -> 0
-        return self._threshold(top, pick, weight, sink)
-
-    def _threshold(self, top: Tensor, pick: Tensor, weight: Tensor,
-                   sink: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """:meth:`compete_dense`'s kept candidates under ``sink_threshold`` (as they are without it)."""
         if self.sink_threshold:
             below = top <= sink  # (M, k)
             if self.training:

@@ -497,7 +497,7 @@ class SiteStream:
         edges = {("token", "reads", "output"): np.arange(first, n)[None].repeat(2, 0)}  # (2, n - first)
         types, src, dst, sizes = [], [], [], []
         for p in READ_TYPES[1:]:
-            ends = spans[p][1].tolist() if spans[p][1].numel() else []  # new nodes, in time order
+            ends = spans[p][1].tolist()  # new nodes, in time order
             if not ends and not offsets[p]:
                 continue
             latest, j = [], 0
