@@ -90,6 +90,8 @@ class SheafStateConfig(ConfigFile):
     chunk_size: int = 64  # SSD chunk length
     expert_mult: int = 2  # expert hidden width = expert_mult * d_model
     num_experts: int = 1  # experts per node type (> 1: top-1 routing + balance loss)
+    shared_experts: bool = False  # one set of experts for every node type (the type embeddings still differ)
+    glue_gate: bool = False  # h + g * (G(h) - h) with a per-channel g initialised at 0: the model starts as its SSM
     topology_k: int = 8  # candidates kept per destination (all edge types compete together)
     topology_rank: int = 16  # width r of the topology's query/key projections
     content_blocks: int = 2  # content-addressed blocks proposed per output (0: off)
@@ -169,8 +171,9 @@ class SheafBlock(nn.Module):
         self.norm_token = nn.LayerNorm(D)
         self.phi_token = SelectiveSSM(D, **ssm_args)
         self.norm_expert = nn.LayerNorm(D)
-        num_types = len(FLAT_TYPES) if config.gluing else 1
-        self.experts = PatchExperts(D, num_types, config.expert_mult * D, config.num_experts)
+        self.by_type = config.gluing and not config.shared_experts
+        self.experts = PatchExperts(D, len(FLAT_TYPES) if self.by_type else 1, config.expert_mult * D,
+                                    config.num_experts)
         if not config.gluing:
             return
         self.pool = nn.Linear(D, D, bias=False)
@@ -184,6 +187,7 @@ class SheafBlock(nn.Module):
         # The softmax weights of the selection already normalise each destination's messages.
         self.glue = SheafConv(D, config.stalk_dim, map_kind=config.map_kind, num_edge_types=len(GLUE_EDGES),
                               normalize="none")
+        self.glue_gate = nn.Parameter(torch.zeros(D)) if config.glue_gate else None
         self.broadcast = nn.Linear(D, D, bias=False)
 
     def forward(self, h: Tensor, site: FlatSite, extras: Extras = Extras()) -> tuple[Tensor, dict]:
@@ -210,9 +214,10 @@ class SheafBlock(nn.Module):
         # The per-edge energy is for inspection: in training it would keep two (E, d, f) tensors for backward.
         glued = self.glue(h, chosen.edge_index, chosen.edge_type, chosen.weight, return_energy=extras.energy,
                           ptr=chosen.ptr)
-        h, energy = glued if extras.energy else (glued, None)
+        glued, energy = glued if extras.energy else (glued, None)
+        h = self.gate(h, glued)
 
-        update, balance = self.experts(h, site.type_ptr, self.norm_expert)
+        update, balance = self.experts(h, self.expert_ptr(site.type_ptr), self.norm_expert)
         h_tok, h_patch, h_out = (h + update).split(sizes)
         # broadcast: output t -> token t; the linear keeps a copy of the output rows, not a view of all of h
         h = torch.cat([h_tok + self.broadcast(h_out.clone()), h_patch, h_out])
@@ -246,13 +251,22 @@ class SheafBlock(nn.Module):
         # Bipartite gluing: the new nodes (destinations) read their sources' cached states in place.
         glued = self.glue((cache.state.data, h), torch.stack([src, dst]), edge_type, weight,
                           ptr=ptr_from_index(dst, h.size(0)))
-        return self.step_tail(glued, delta.type_ptr, tok.stop)
+        return self.step_tail(self.gate(h, glued), delta.type_ptr, tok.stop)
+
+    def gate(self, h: Tensor, glued: Tensor) -> Tensor:
+        """The gluing's update through the gate: ``h + g * (glued - h)`` (``glued`` without ``glue_gate``)."""
+        return glued if self.glue_gate is None else torch.addcmul(h, self.glue_gate, glued - h)
+
+    def expert_ptr(self, type_ptr: list[int]) -> list[int]:
+        """The experts' row segments: one per node type, or all rows in one with ``shared_experts``."""
+        return type_ptr if self.by_type else [0, type_ptr[-1]]
 
     def step_tail(self, glued: Tensor, type_ptr: list[int], num_tokens: int) -> Tensor:
         """E and the broadcast on a step's glued rows (N, D) (the tokens first, the outputs last):
         ``glued + E(glued)``, then output t's row through ``broadcast`` added to token t's. In inference on a
         step's few rows one call of the C++ kernel ``block_tail`` (:mod:`sheafgnn.nn.cpu_kernels`); elsewhere,
         and as its reference, the PyTorch ops."""
+        type_ptr = self.expert_ptr(type_ptr)
         call = self.experts.fused_call(glued, type_ptr, self.norm_expert)
         broadcast, weight, bias = cpu_kernels.registered(self, ("broadcast", "broadcast.weight", "broadcast.bias"))
         kernel = cpu_kernels.block_tail() if call is not None and type(broadcast) is nn.Linear and bias is None \

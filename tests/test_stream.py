@@ -50,6 +50,23 @@ def test_stream_equals_full_forward(full_config, text, chunk):
     torch.testing.assert_close(streamed, _full_logits(model, ids), atol=1e-4, rtol=1e-4)
 
 
+def _gate_open(model: SheafStateLM) -> SheafStateLM:
+    """The gluing gates (zero at init) set to random values, so that the gluing enters the logits."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("glue_gate"):
+                p.normal_(0.0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("chunk", [1, 13])
+def test_stream_equals_full_forward_with_shared_experts_and_gate(full_config, chunk):
+    model = _gate_open(_model(full_config, shared_experts=True, glue_gate=True))
+    ids = torch.tensor(list((PROSE + CODE).encode()))[:200]
+    streamed = _streamed(model.stream(), ids, chunk)
+    torch.testing.assert_close(streamed, _full_logits(model, ids), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("map_kind,num_experts,block_scorer,block_summary,sink_threshold",
                          [("orthogonal", 2, False, "mean", False), ("diag", 2, True, "mean", False),
                           ("general", 1, False, "mean", False), ("diag", 1, False, "bounds", False),
