@@ -11,6 +11,7 @@ length: a model trained at 256 tokens runs at 16k.
     ├── wte        Embedding(V, C)              idx (B, T) -> x (B, T, C)
     ├── blocks     n_layers x Block             pre-norm, residual
     │   ├── ln_1 -> CausalSelfAttention         (B, T, C) -> (B, T, C)
+    │   │     conv (config.conv = k > 0):       ShortConv, causal depthwise over the last k inputs, before q/k/v
     │   │     dense: SDPA(is_causal=True)       O(T^2)
     │   │     local: local_attention(window=w)  O(T * w), blocked
     │   └── ln_2 -> MLP                         (B, T, C) -> (B, T, C)
@@ -19,6 +20,7 @@ length: a model trained at 256 tokens runs at 16k.
 
     CausalTransformer.stream(B) -> TransformerStream   generation with a KV cache
         per layer keys/values (B, H, S, D)   dense: S doubles as needed; local: a ring, S = w + chunk - 1
+                  conv inputs (B, k - 1, C)  the last k - 1 inputs of the short conv (with config.conv)
         feed(ids) -> logits of the fed positions, the same blocks with attention against the cache
 
 The local variant restricts position t to keys t-w+1..t. It is computed in
@@ -26,6 +28,14 @@ blocks of w queries, each attending to the 2w keys of its own and the previous
 block through a fixed (w, 2w) band mask, so no (T, T) matrix is ever built.
 :func:`band_attention_reference` is the slow, obviously-correct version that
 the tests compare it against.
+
+With ``config.conv = k`` every attention layer first runs a short causal
+depthwise convolution of width k over its (normed) input, as the attention
+baselines of Zoology (Arora et al. 2023) and Based have: position t's
+queries, keys and values then also see the inputs at t-1, ..., t-k+1, the
+token shift that associative recall needs (a key's position carries "the
+token before me"). The model kinds ``dense_conv`` and ``local_conv``
+(:mod:`sheafgnn.lm`) are dense and local with ``conv = 3``.
 """
 
 from __future__ import annotations
@@ -54,6 +64,7 @@ class TransformerConfig:
     window: int | None = None  # None = dense causal; w = attend to the last w tokens (self included)
     rope_base: float = 10000.0  # RoPE frequency base
     bias: bool = False  # biases in Linear and LayerNorm layers
+    conv: int = 0  # k > 0: a causal depthwise conv of width k on each attention layer's input (Zoology); 0: none
 
 
 # ---------------------------------------------------------------------------
@@ -153,16 +164,57 @@ def band_attention_reference(q: Tensor, k: Tensor, v: Tensor, window: int | None
 # ---------------------------------------------------------------------------
 
 
+class ShortConv(nn.Module):
+    r"""A short causal depthwise convolution over time (Zoology's ``ShortConvolution``):
+
+    .. math::
+        \mathbf{y}_t = \mathbf{b} + \sum_{i=0}^{k-1} \mathbf{w}_i \odot \mathbf{x}_{t-i},
+
+    with :math:`\mathbf{x}_{t-i} = 0` before the first position, or, given ``history``, the inputs that
+    came before (a stream's).
+
+    Args:
+        channels (int): :math:`C`.
+        kernel_size (int): :math:`k \geq 1`.
+
+    Shapes:
+        - **input:** x (B, T, C), history (B, k - 1, C) (optional)
+        - **output:** (B, T, C)
+    """
+
+    def __init__(self, channels: int, kernel_size: int) -> None:
+        super().__init__()
+        if kernel_size < 1:
+            raise ValueError(f"ShortConv: kernel_size must be >= 1 (got {kernel_size})")
+        self.kernel_size = kernel_size
+        self.conv = nn.Conv1d(channels, channels, kernel_size, groups=channels)
+
+    def reset_parameters(self) -> None:
+        self.conv.reset_parameters()
+
+    def forward(self, x: Tensor, history: Tensor | None = None) -> Tensor:
+        if history is None:
+            history = x.new_zeros(x.size(0), self.kernel_size - 1, x.size(2))
+        full = torch.cat([history, x], 1)  # (B, k - 1 + T, C)
+        return self.conv(full.transpose(1, 2)).transpose(1, 2)  # (B, T, C)
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}({self.conv.in_channels}, kernel_size={self.kernel_size})"
+
+
 # attend(q, k, v) -> y, all (B, H, T, D): the attention of one layer; None means causal over the input itself.
 Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
+# convolve(conv, x) -> y, (B, T, C): the short conv of one layer; None means over the input itself.
+Convolve = Callable[[ShortConv, Tensor], Tensor]
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention with RoPE; dense or sliding-window.
+    """Multi-head causal self-attention with RoPE; dense or sliding-window; with ``config.conv`` a
+    :class:`ShortConv` before the projections.
 
-    ``forward(x, cos, sin, attend)``: the projections and RoPE are always these;
-    ``attend`` replaces the attention over ``x`` itself (a KV cache's, see
-    :class:`TransformerStream`).
+    ``forward(x, cos, sin, attend, convolve)``: the projections and RoPE are always these;
+    ``attend`` replaces the attention over ``x`` itself and ``convolve`` the conv over ``x`` itself
+    (a KV cache's, see :class:`TransformerStream`).
     """
 
     def __init__(self, config: TransformerConfig) -> None:
@@ -170,6 +222,7 @@ class CausalSelfAttention(nn.Module):
         self.n_heads = config.n_heads
         self.window = config.window
         self.dropout = config.dropout
+        self.conv = ShortConv(config.d_model, config.conv) if config.conv else None
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=config.bias)
         self.proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
         self.resid_drop = nn.Dropout(config.dropout)
@@ -181,8 +234,11 @@ class CausalSelfAttention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # (B, H, T, D)
         return local_attention(q, k, v, self.window, dropout_p=p)  # (B, H, T, D)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend | None = None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend | None = None,
+                convolve: Convolve | None = None) -> Tensor:
         B, T, C = x.shape
+        if self.conv is not None:
+            x = self.conv(x) if convolve is None else convolve(self.conv, x)  # (B, T, C)
         q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, C // self.n_heads).permute(2, 0, 3, 1, 4)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (B, H, T, D)
         y = (attend or self.attend_self)(q, k, v)  # (B, H, T, D)
@@ -213,8 +269,9 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.d_model, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend | None = None) -> Tensor:
-        x = x + self.attn(self.ln_1(x), cos, sin, attend)  # (B, T, C)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend | None = None,
+                convolve: Convolve | None = None) -> Tensor:
+        x = x + self.attn(self.ln_1(x), cos, sin, attend, convolve)  # (B, T, C)
         return x + self.mlp(self.ln_2(x))  # (B, T, C)
 
 
@@ -247,6 +304,8 @@ class CausalTransformer(nn.Module):
             )
         if c.window is not None and c.window < 1:
             raise ValueError(f"CausalTransformer: window must be None (dense) or >= 1 (got {c.window})")
+        if not isinstance(c.conv, int) or c.conv < 0:
+            raise ValueError(f"CausalTransformer: conv must be 0 (none) or a kernel width >= 1 (got {c.conv!r})")
         if not 0.0 <= c.dropout < 1.0:
             raise ValueError(f"CausalTransformer: dropout must be in [0, 1) (got {c.dropout})")
         self.config = config
@@ -259,8 +318,11 @@ class CausalTransformer(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """GPT-2 init: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layers)."""
+        """GPT-2 init: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layers); the short convs
+        keep PyTorch's Conv1d init (a width-k depthwise filter at std 0.02 would all but silence q/k/v)."""
         for name, p in self.named_parameters():
+            if ".conv." in name:
+                continue
             if p.dim() == 1 and name.endswith("weight"):  # LayerNorm gain
                 nn.init.ones_(p)
             elif p.dim() == 1:  # biases
@@ -268,6 +330,9 @@ class CausalTransformer(nn.Module):
             else:
                 std = 0.02 / math.sqrt(2 * self.config.n_layers) if name.endswith("proj.weight") else 0.02
                 nn.init.normal_(p, mean=0.0, std=std)
+        for block in self.blocks:
+            if block.attn.conv is not None:
+                block.attn.conv.reset_parameters()
 
     def forward(self, idx: Tensor) -> Tensor:
         if idx.dim() != 2:
@@ -276,13 +341,15 @@ class CausalTransformer(nn.Module):
         cos, sin = rope_cos_sin(T, self.config.d_model // self.config.n_heads, self.config.rope_base, idx.device)
         return self.run(idx, cos, sin)  # (B, T, V)
 
-    def run(self, idx: Tensor, cos: Tensor, sin: Tensor,
-            attend: Callable[[int], Attend] | None = None) -> Tensor:
-        """The network on ``idx`` with given RoPE tables; ``attend(layer)`` gives each layer's attention
-        (default: causal over ``idx`` itself). Shapes: idx (B, T) -> logits (B, T, V)."""
+    def run(self, idx: Tensor, cos: Tensor, sin: Tensor, attend: Callable[[int], Attend] | None = None,
+            convolve: Callable[[int], Convolve] | None = None) -> Tensor:
+        """The network on ``idx`` with given RoPE tables; ``attend(layer)`` and ``convolve(layer)`` give each
+        layer's attention and short conv (default: causal over ``idx`` itself). Shapes: idx (B, T) -> logits
+        (B, T, V)."""
         x = self.drop(self.wte(idx))  # (B, T, C)
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, None if attend is None else attend(i))  # (B, T, C)
+            x = block(x, cos, sin, None if attend is None else attend(i),
+                      None if convolve is None else convolve(i))  # (B, T, C)
         return self.lm_head(self.ln_f(x))  # (B, T, V)
 
     def stream(self, batch_size: int = 1) -> TransformerStream:
@@ -312,7 +379,9 @@ class TransformerStream(TokenStream):
 
     Every layer keeps the keys (RoPE applied at their absolute positions) and
     values of the fed positions in a buffer (B, H, S, D), so a step costs one
-    position's projections plus attention over the buffer. Slot ``s`` of
+    position's projections plus attention over the buffer. With a short conv
+    (``config.conv = k``) a layer also keeps the last k - 1 inputs of its conv
+    per stream (B, k - 1, C), zero before a stream's first token as in the forward. Slot ``s`` of
     stream ``b`` holds position ``slot_pos[b, s]`` (-1: empty).
 
     - dense: slot = position; the buffer doubles when full (amortised O(1)
@@ -345,6 +414,8 @@ class TransformerStream(TokenStream):
         size = 256 if c.window is None else c.window + self.chunk - 1  # S
         self._keys = [weight.new_zeros(batch_size, c.n_heads, size, self.head_dim) for _ in model.blocks]
         self._values = [torch.zeros_like(k) for k in self._keys]
+        self._conv_inputs = [weight.new_zeros(batch_size, c.conv - 1, c.d_model) if c.conv else None
+                             for _ in model.blocks]  # (B, k - 1, C) per layer
         self.slot_pos = torch.full((batch_size, size), -1, dtype=torch.long, device=weight.device)  # (B, S)
         self.positions = torch.zeros(batch_size, dtype=torch.long, device=weight.device)  # (B,) tokens cached
 
@@ -404,10 +475,21 @@ class TransformerStream(TokenStream):
                 return F.scaled_dot_product_attention(q, keys[:, :, :span], values[:, :, :span], attn_mask=mask)
             return step
 
+        def convolve(layer: int) -> Convolve:
+            def step(conv: ShortConv, x: Tensor) -> Tensor:  # (B, N, C)
+                history = self._conv_inputs[layer]  # (B, k - 1, C)
+                # A stream's real inputs come first in its row (padding at the end): its last k - 1 are
+                # rows n_b, ..., n_b + k - 2 of [history, x].
+                last = lengths[:, None] + torch.arange(history.size(1), device=device)  # (B, k - 1)
+                full = torch.cat([history, x], 1)  # (B, k - 1 + N, C)
+                self._conv_inputs[layer] = full.gather(1, last[:, :, None].expand(-1, -1, x.size(2)))
+                return conv(x, history)
+            return step
+
         idx = torch.zeros(self.batch_size, N, dtype=torch.long, device=device)  # (B, N), padded with id 0
         idx[b_idx, i_idx] = torch.cat(ids)
         cos, sin = rope_at(qpos, self.head_dim, self.model.config.rope_base)  # (B, N, D/2) each
-        logits = self.model.run(idx, cos[:, None], sin[:, None], attend)  # (B, N, V)
+        logits = self.model.run(idx, cos[:, None], sin[:, None], attend, convolve)  # (B, N, V)
         self.positions = start + lengths
         return logits
 

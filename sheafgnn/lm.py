@@ -16,6 +16,7 @@ Transformer baselines read only the token ids, through :class:`SequenceLM`.
       ssm   -> SheafStateLM(SheafStateConfig(**options, site=site, gluing=False))
       dense -> SequenceLM(CausalTransformer(TransformerConfig(**options, window=None)))
       local -> SequenceLM(CausalTransformer(TransformerConfig(**options)))   window required
+      dense_conv, local_conv -> the same with conv=SHORT_CONV: a short causal conv before q/k/v (Zoology)
 
     count_model_parameters(kind, options, vocab_size, site)   counted on the meta device
     matched_options(kinds, sheaf_options, vocab_size, ...)   baselines' widths matched to the sheaf
@@ -36,7 +37,25 @@ from sheafgnn.baselines import CausalTransformer, TransformerConfig, count_param
 from sheafgnn.config import check_field_types
 from sheafgnn.generation import TokenStream
 
-MODEL_KINDS = ("sheaf", "dense", "local", "ssm")
+MODEL_KINDS = ("sheaf", "dense", "local", "ssm", "dense_conv", "local_conv")
+ATTENTION_KINDS = ("dense", "local", "dense_conv", "local_conv")
+SHORT_CONV = 3  # the conv width of dense_conv and local_conv (Zoology's attention baselines use 3)
+
+
+def attention_options(kind: str, options: dict) -> dict:
+    """``options`` with what the attention ``kind`` implies: ``conv`` for the ``_conv`` kinds (their names
+    say it, so ``options`` may not contradict them), and no ``window`` for dense ones."""
+    conv = SHORT_CONV if kind.endswith("_conv") else 0
+    if options.get("conv", conv) != conv:
+        raise ValueError(f"build_model: model {kind!r} has conv={conv}; use "
+                         f"{'dense_conv or local_conv' if options['conv'] else 'dense or local'} instead")
+    dense = kind.startswith("dense")
+    if dense and options.get("window") is not None:
+        raise ValueError(f"build_model: model {kind!r} takes no window (got {options['window']}); "
+                         f"use model {kind.replace('dense', 'local')!r}")
+    if not dense and options.get("window") is None:
+        raise ValueError(f"build_model: model {kind!r} needs model_config.window (tokens each position sees)")
+    return {**options, "conv": conv}
 
 
 class SequenceLM(nn.Module):
@@ -98,8 +117,8 @@ def build_model(kind: str, options: dict, vocab_size: int, site: dict | None = N
     """Build a model of the given kind following the contract above.
 
     Args:
-        kind (str): ``"sheaf"``, ``"ssm"`` (sheaf with gluing off), ``"dense"``
-            or ``"local"``.
+        kind (str): ``"sheaf"``, ``"ssm"`` (sheaf with gluing off), ``"dense"``,
+            ``"local"``, ``"dense_conv"`` or ``"local_conv"``.
         options (dict): fields of the kind's config dataclass
             (:class:`~sheafgnn.model.SheafStateConfig` or
             :class:`~sheafgnn.baselines.TransformerConfig`).
@@ -114,15 +133,9 @@ def build_model(kind: str, options: dict, vocab_size: int, site: dict | None = N
     if options.setdefault("vocab_size", vocab_size) != vocab_size:
         raise ValueError(f"build_model: model_config.vocab_size={options['vocab_size']} but the tokenizer has "
                          f"{vocab_size} ids; drop vocab_size from model_config")
-    if kind in ("dense", "local"):
+    if kind in ATTENTION_KINDS:
         _check_fields(TransformerConfig, options, kind)
-        if kind == "dense":
-            if options.get("window") is not None:
-                raise ValueError(f"build_model: model 'dense' takes no window (got {options['window']}); "
-                                 "use model 'local'")
-        elif options.get("window") is None:
-            raise ValueError("build_model: model 'local' needs model_config.window (tokens each position sees)")
-        return SequenceLM(CausalTransformer(TransformerConfig(**options)))
+        return SequenceLM(CausalTransformer(TransformerConfig(**attention_options(kind, options))))
     from sheafgnn.model import SheafStateConfig, SheafStateLM
 
     _check_fields(SheafStateConfig, options, kind)
@@ -193,12 +206,12 @@ def matched_options(kinds: tuple[str, ...], sheaf_options: dict, vocab_size: int
         elif kind == "ssm":
             options[kind] = _match_ssm_width(target, dict(sheaf_options), vocab_size, tolerance)
         else:
-            win = window if kind == "local" else None
-            cfg = match_width(target, lambda d, w=win: TransformerConfig(vocab_size=vocab_size, d_model=d,
-                                                                         n_layers=n_layers, n_heads=n_heads,
-                                                                         window=w), tolerance=tolerance)
+            base = attention_options(kind, {"n_layers": n_layers, "n_heads": n_heads,
+                                            "window": None if kind.startswith("dense") else window})
+            cfg = match_width(target, lambda d, base=base: TransformerConfig(vocab_size=vocab_size, d_model=d, **base),
+                              tolerance=tolerance)
             options[kind] = {"d_model": cfg.d_model, "n_layers": n_layers, "n_heads": n_heads}
-            if kind == "local":
+            if kind.startswith("local"):
                 options[kind]["window"] = window
         counts[kind] = count_model_parameters(kind, options[kind], vocab_size, site if kind == "sheaf" else None)
     counts["target"] = target
@@ -207,6 +220,6 @@ def matched_options(kinds: tuple[str, ...], sheaf_options: dict, vocab_size: int
 
 def print_parameter_counts(options: dict[str, dict], counts: dict[str, int]) -> None:
     """A table of each model's width and parameter count vs the sheaf target."""
-    print(f"{'model':<8}{'d_model':>9}{'params':>13}{'vs sheaf':>10}")
+    print(f"{'model':<11}{'d_model':>9}{'params':>13}{'vs sheaf':>10}")
     for kind, opts in options.items():
-        print(f"{kind:<8}{opts['d_model']:>9}{counts[kind]:>13,}{counts[kind] / counts['target'] - 1:>+10.1%}")
+        print(f"{kind:<11}{opts['d_model']:>9}{counts[kind]:>13,}{counts[kind] / counts['target'] - 1:>+10.1%}")

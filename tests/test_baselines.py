@@ -94,10 +94,10 @@ def test_forward_shapes_and_loss(window):
     assert model.lm_head.weight is model.wte.weight
 
 
-@pytest.mark.parametrize("window", [None, 3])
-def test_causality(window):
+@pytest.mark.parametrize("window,conv", [(None, 0), (3, 0), (None, 3), (3, 4)])
+def test_causality(window, conv):
     torch.manual_seed(0)
-    model = CausalTransformer(dataclasses.replace(SMALL, window=window)).double().eval()
+    model = CausalTransformer(dataclasses.replace(SMALL, window=window, conv=conv)).double().eval()
     idx = torch.randint(0, 32, (2, 23))
     logits = model(idx)
     for t in (0, 5, 11, 21):
@@ -147,6 +147,7 @@ def test_rope_needs_no_length_limit():
         (dict(window=0), "window must be None"),
         (dict(dropout=1.0), "dropout must be in"),
         (dict(n_layers=0), "must be >= 1"),
+        (dict(conv=-1), "conv must be 0"),
     ],
 )
 def test_config_validation(changes, match):
@@ -172,6 +173,27 @@ def test_count_parameters_matches_formula():
             per_layer += 3 * C + C + 4 * C + C + 2 * C  # qkv, proj, fc, proj, LayerNorm biases
         final = C * (2 if bias else 1)
         assert count_parameters(CausalTransformer(cfg)) == V * C + L * per_layer + final  # tied: V*C once
+
+
+def test_short_conv_is_the_causal_depthwise_filter():
+    """ShortConv against its definition, y_t = b + sum_i w_i x_{t-i}, with zeros or a given history before t = 0."""
+    torch.manual_seed(0)
+    conv = baselines.ShortConv(5, 3).double()
+    x, history = torch.randn(2, 7, 5, dtype=torch.float64), torch.randn(2, 2, 5, dtype=torch.float64)
+    w, b = conv.conv.weight[:, 0], conv.conv.bias  # (C, k): w[:, k - 1] multiplies x_t
+    for past in (None, history):
+        padded = torch.cat([torch.zeros(2, 2, 5, dtype=torch.float64) if past is None else past, x], 1)
+        expected = torch.stack([b + sum(w[:, 2 - i] * padded[:, t + 2 - i] for i in range(3)) for t in range(7)], 1)
+        torch.testing.assert_close(conv(x, past), expected)
+    assert str(conv) == "ShortConv(5, kernel_size=3)"
+
+
+def test_conv_models_keep_the_conv_init_and_count_its_parameters():
+    model = CausalTransformer(dataclasses.replace(SMALL, conv=3))
+    conv = model.blocks[0].attn.conv.conv
+    assert conv.weight.abs().max() > 0.1  # PyTorch's Conv1d init (bound 1/sqrt(3)), not GPT-2's std 0.02
+    C = SMALL.d_model
+    assert count_parameters(model) == count_parameters(CausalTransformer(SMALL)) + SMALL.n_layers * (3 * C + C)
 
 
 @pytest.mark.parametrize("target", [60_000, 1_234_567, 3_000_000])

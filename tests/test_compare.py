@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from sheafgnn.experiments.compare import (
+    DEFAULT_MODELS,
     CompareConfig,
     main_compare,
     markdown,
@@ -84,8 +85,11 @@ def test_speed_ratios_and_dense_lower_bound():
     ratios = speed_ratios(sweep)
     assert ratios["16384"]["time_ratio"] == pytest.approx(10.0)
     assert ratios["16384"]["memory_ratio"] == pytest.approx(200 / 1600)
-    assert ratios["32768"]["time_ratio"] is None
+    assert ratios["32768"]["time_ratio"] is None and ratios["16384"]["dense_model"] == "dense"
     assert speed_ratios({"sheaf": sweep["sheaf"]}) == {}
+    conv = {**sweep, "dense_conv": [_point(16384, 40.0, 1600)]}  # the field's baseline wins where it ran
+    assert speed_ratios(conv)["16384"]["time_ratio"] == pytest.approx(20.0)
+    assert speed_ratios(conv)["16384"]["dense_model"] == "dense_conv"
 
 
 def test_sweep_stops_after_the_cap(corpus, tmp_path):
@@ -117,7 +121,8 @@ def test_run_compare_quick(corpus, tmp_path):
     config = CompareConfig.quick(corpus=corpus, out_dir=str(tmp_path), isolate=False, sweep=(32, 64), tokens=128,
                                  num_threads=1)
     report = run_compare(config)
-    assert set(report["training"]) == set(MODEL_KINDS) and set(report["sweep"]) == set(MODEL_KINDS)
+    assert set(report["training"]) == set(DEFAULT_MODELS) and set(report["sweep"]) == set(DEFAULT_MODELS)
+    assert DEFAULT_MODELS == ("sheaf", "dense_conv", "local_conv", "ssm")  # the conv baselines by default
     for kind, r in report["training"].items():
         assert r["tokens"] == config.tokens and r["val_bpb"] > 0 and r["train_tokens_per_s"] > 0, kind
         assert r["infer_tokens_per_s"] > 0 and r["train_peak_rss_bytes"] > 0

@@ -12,9 +12,10 @@ V = 32
 CHUNKS = {"1": [1], "7": [7], "64": [64], "mix": [1, 7, 64, 3, 1, 100, 2]}
 
 
-def tiny(window: int | None = None, dtype: torch.dtype = torch.float32, seed: int = 0) -> CausalTransformer:
+def tiny(window: int | None = None, dtype: torch.dtype = torch.float32, seed: int = 0,
+         conv: int = 0) -> CausalTransformer:
     torch.manual_seed(seed)
-    config = TransformerConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=2, window=window)
+    config = TransformerConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=2, window=window, conv=conv)
     model = CausalTransformer(config).to(dtype).eval()
     with torch.no_grad():  # larger weights than the init, so the logits differ clearly between positions
         for p in model.parameters():
@@ -45,8 +46,9 @@ def feed_in_chunks(stream: TokenStream, ids: Tensor, sizes: list[int]) -> Tensor
 @pytest.mark.parametrize("window", [None, 6, 80], ids=["dense", "local6", "local80"])
 @pytest.mark.parametrize("chunks", list(CHUNKS), ids=list(CHUNKS))
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.float64, 1e-10)], ids=["f32", "f64"])
-def test_stream_logits_equal_the_forward(window, chunks, dtype, atol):
-    model = tiny(window, dtype)
+@pytest.mark.parametrize("conv", [0, 3], ids=["plain", "conv3"])
+def test_stream_logits_equal_the_forward(window, chunks, dtype, atol, conv):
+    model = tiny(window, dtype, conv=conv)
     ids = torch.randint(0, V, (300,), generator=torch.Generator().manual_seed(1))
     stream = model.stream()
     got = feed_in_chunks(stream, ids, CHUNKS[chunks])
@@ -70,9 +72,9 @@ def test_a_long_prompt_at_once_and_the_cache_size(window):
     assert all(k.shape[2] == size for k in stream._keys)
 
 
-@pytest.mark.parametrize("window", [None, 6])
-def test_a_batch_of_streams_equals_the_streams_one_at_a_time(window):
-    model = tiny(window)
+@pytest.mark.parametrize("window,conv", [(None, 0), (6, 0), (None, 3), (6, 4)])
+def test_a_batch_of_streams_equals_the_streams_one_at_a_time(window, conv):
+    model = tiny(window, conv=conv)
     g = torch.Generator().manual_seed(3)
     rounds = [[torch.randint(0, V, (n,), generator=g) for n in lengths]
               for lengths in ([5, 0, 40], [17, 9, 1], [0, 70, 2], [1, 1, 1])]

@@ -8,6 +8,8 @@ import pytest
 import torch
 from torch import nn
 
+from sheafgnn.experiments import task_runner
+from sheafgnn.experiments.compare import BASELINE_SITE
 from sheafgnn.experiments.task_report import shortfalls
 from sheafgnn.experiments.task_runner import (
     TASK_SITE,
@@ -20,9 +22,12 @@ from sheafgnn.experiments.task_runner import (
     parse_tasks_args,
     run_tasks,
     task_options,
+    task_specs,
     to_sites,
+    train_task,
 )
 from sheafgnn.experiments.tasks import IGNORE_INDEX, induction_heads, mqar
+from sheafgnn.lm import build_model
 from sheafgnn.site import SiteConfig, build_site, validate_site
 
 RECALLS = ("token", "recalls", "retrieval")
@@ -90,10 +95,12 @@ def test_evaluate_scores_only_scored_positions():
 
 
 def test_task_options_and_equal_width():
-    options, counts = task_options(TasksConfig(), 512)
-    for kind in ("dense", "local", "ssm"):
+    options, counts = task_options(TasksConfig(models=("sheaf", "dense_conv", "dense", "local", "local_conv", "ssm")),
+                                   512)
+    for kind in ("dense_conv", "dense", "local", "local_conv", "ssm"):
         assert abs(counts[kind] / counts["target"] - 1) <= 0.1
-    options, counts = task_options(TasksConfig(equal_width=True), 512)
+    assert counts["dense_conv"] > counts["dense"] and options["dense_conv"]["d_model"] <= options["dense"]["d_model"]
+    options, counts = task_options(TasksConfig(equal_width=True, models=("sheaf", "dense_conv", "local")), 512)
     assert {o["d_model"] for o in options.values()} == {64} and options["local"]["window"] == 64
 
 
@@ -114,9 +121,9 @@ def test_parse_args_and_shortfalls():
 def test_run_tasks_quick(tmp_path):
     config = TasksConfig.quick(out_dir=str(tmp_path), steps=1, num_threads=1)
     report = run_tasks(config)
-    assert set(report["tasks"]) == {"mqar", "selective_copying", "induction_heads"}
+    assert set(report["tasks"]) == {"mqar", "scattered_recall", "selective_copying", "induction_heads"}
     for task, r in report["tasks"].items():
-        assert set(r["models"]) == {"sheaf", "dense", "local", "ssm"}
+        assert set(r["models"]) == {"sheaf", "dense_conv", "dense", "ssm"}
         for kind, m in r["models"].items():
             assert set(m["accuracy"]) == {str(n) for n in r["test_lens"]}, (task, kind)
             assert all(0.0 <= a <= 1.0 for a in m["accuracy"].values()) and m["train_loss"] > 0
@@ -149,8 +156,8 @@ def test_curve_and_summary_rows(tmp_path):
     assert mqar_sheaf == {"task": "mqar", "seq_len": 64, "train_len": 64, "pairs": 4, "vocab": 64, "model": "sheaf",
                           "hash_retrieval": False, "topology_rank": 16, "topology_k": 8, "content_blocks": 2,
                           "proposal_block": 16, "pool_loss_weight": 1.0, "block_scorer": False,
-                          "block_summary": "mean", "sink_threshold": False, "keep_cost": 0.0, "warmup": None,
-                          "lr": config.lr, "accuracy": curve[-1]["accuracy"],
+                          "block_summary": "mean", "sink_threshold": False, "keep_cost": 0.0, "map_kind": "diag",
+                          "warmup": None, "lr": config.lr, "seed": 0, "accuracy": curve[-1]["accuracy"],
                           "steps": 4, "tokens": 4 * 2 * 64, "seconds": mqar_sheaf["seconds"]}
     kept = report["tasks"]["mqar"]["models"]["sheaf"]["kept_per_output"]  # per block, at most topology_k
     assert len(kept) == config.n_layers and all(0 < k <= 8 for k in kept) and "kept_per_output" not in \
@@ -160,6 +167,29 @@ def test_curve_and_summary_rows(tmp_path):
                                 models=("sheaf",), hash_retrieval=True, summary=str(summary)))
     rows = json.loads(summary.read_text())
     assert len(rows) == 7 and {r["hash_retrieval"] for r in rows if r["model"] == "sheaf"} == {True, False}
+
+
+def test_stop_accuracy_ends_training_at_the_first_test_that_reaches_it(monkeypatch):
+    """Training stops at the first test that reaches stop_accuracy, and counts the steps it trained."""
+    config = TasksConfig.quick(steps=8, eval_every=2, stop_accuracy=0.99, tasks=("mqar",))
+    spec = task_specs(config)["mqar"]
+    model = build_model("dense", {"d_model": 16, "n_layers": 1, "n_heads": 2}, spec.vocab_size)
+    tests = iter([0.5, 0.995, 1.0])
+    monkeypatch.setattr(task_runner, "evaluate", lambda *args: {"accuracy": next(tests)})
+    result = train_task(model, spec, config, SiteConfig.from_dict(BASELINE_SITE))
+    assert result["steps"] == 4 and [p["step"] for p in result["curve"]] == [2, 4]
+    with pytest.raises(ValueError, match="needs eval_every"):
+        TasksConfig.quick(stop_accuracy=0.99)
+
+
+def test_mqar_test_lengths_keep_the_pair_density():
+    config = TasksConfig.quick(tasks=("mqar",), mqar_test_lens=(256, 128))
+    spec = task_specs(config)["mqar"]
+    assert spec.test_lens == (64, 128, 256)
+    x, y = spec.sample(3, 256, torch.Generator().manual_seed(0))
+    assert x.shape == (3, 256) and ((y != IGNORE_INDEX).sum(1) == 16).all()  # 4 pairs per 64 tokens
+    with pytest.raises(ValueError, match="pair density"):
+        TasksConfig.quick(mqar_test_lens=(100,))
 
 
 def test_mqar_warmup_trains_the_shorter_task_first(tmp_path):

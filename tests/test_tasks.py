@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from sheafgnn.experiments.tasks import IGNORE_INDEX, induction_heads, mqar, selective_copying
+from sheafgnn.experiments.tasks import IGNORE_INDEX, induction_heads, mqar, scattered_recall, selective_copying
 
 
 def gen(seed: int) -> torch.Generator:
@@ -187,3 +187,55 @@ def test_induction_heads_deterministic():
 def test_induction_heads_validation(args, match):
     with pytest.raises(ValueError, match=match):
         induction_heads(*args)
+
+
+# ---------------------------------------------------------------------------
+# Scattered recall
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seq_len,num_pairs,vocab_size", [(48, 4, 64), (256, 16, 1024), (24, 8, 18), (3, 1, 4)])
+def test_scattered_recall_brute_force(seq_len, num_pairs, vocab_size):
+    """Every row: distinct keys and values in their halves; each query's key was bound earlier, right before its
+    target value, and its bind is the key's first occurrence as a bind; exactly num_pairs scored positions."""
+    x, y = scattered_recall(32, seq_len, num_pairs, vocab_size, gen(0))
+    assert x.shape == y.shape == (32, seq_len) and x.dtype == y.dtype == torch.long
+    assert 0 <= int(x.min()) and int(x.max()) < vocab_size
+    for row_x, row_y in zip(x.tolist(), y.tolist()):
+        queries = [t for t, v in enumerate(row_y) if v != IGNORE_INDEX]
+        assert len(queries) == num_pairs
+        keys = [row_x[t] for t in queries]
+        values = [row_y[t] for t in queries]
+        assert len(set(keys)) == num_pairs and all(1 <= k < vocab_size // 2 for k in keys)
+        assert len(set(values)) == num_pairs and all(vocab_size // 2 <= v < vocab_size for v in values)
+        for t, key, value in zip(queries, keys, values):
+            binds = [s for s in range(t - 1) if row_x[s] == key and row_x[s + 1] == value and s + 1 not in queries]
+            assert binds, (row_x, t)  # its bind k v came before the query
+
+
+def test_scattered_recall_scatters_binds_and_query_distances():
+    """Unlike MQAR, binds are not all at the start, and a query may come right after its bind or far later."""
+    def binds_and_distances(x, y):
+        last_bind, distances = [], []
+        for row_x, row_y in zip(x.tolist(), y.tolist()):
+            values = [(t, v) for t, v in enumerate(row_y) if v != IGNORE_INDEX]
+            value_at = [min(s for s in range(1, t) if row_x[s - 1 : s + 1] == [row_x[t], v])
+                        for t, v in values]  # where each value was bound after its key
+            last_bind.append(max(value_at) - 1)
+            distances += [t - s for (t, _), s in zip(values, value_at)]
+        return last_bind, distances
+
+    last_bind, distances = binds_and_distances(*scattered_recall(50, 256, 16, 1024, gen(1)))
+    mqar_last_bind, _ = binds_and_distances(*mqar(50, 256, 16, 1024, gen(1)))
+    assert max(mqar_last_bind) == 30 and sum(last_bind) / len(last_bind) > 128  # MQAR binds at 0..31 only
+    assert min(distances) == 1 and max(distances) > 128  # a query right after its value, and far ones
+
+
+def test_scattered_recall_deterministic_and_validation():
+    a, b = scattered_recall(4, 64, 8, 128, gen(7)), scattered_recall(4, 64, 8, 128, gen(7))
+    assert all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
+    assert not torch.equal(a[0], scattered_recall(4, 64, 8, 128, gen(8))[0])
+    with pytest.raises(ValueError, match="at least 3 \\* num_pairs"):
+        scattered_recall(2, 23, 8, 64)
+    with pytest.raises(ValueError, match="vocab_size too small"):
+        scattered_recall(2, 64, 8, 17)

@@ -67,6 +67,8 @@ SWEEP = (1024, 2048, 4096, 8192, 16384, 32768)
 RATIO_AT = (16384, 32768)  # context lengths of the sheaf vs dense speed ratios
 MIB = 1 << 20
 BASELINE_SITE = {"patch_types": []}  # dense, local and ssm read tokens only: no patches to build
+# The attention baselines with the short conv every Zoology baseline has; plain dense and local on request.
+DEFAULT_MODELS = ("sheaf", "dense_conv", "local_conv", "ssm")
 
 
 @dataclass
@@ -74,7 +76,7 @@ class CompareConfig(ConfigFile):
     """A comparison run (``print(config)`` shows every field)."""
 
     out_dir: str = "runs/compare"  # compare.json, compare.md, *.png, train/<model>/
-    models: tuple[str, ...] = MODEL_KINDS  # which of sheaf | dense | local | ssm to run
+    models: tuple[str, ...] = DEFAULT_MODELS  # any of sheafgnn.lm.MODEL_KINDS
     corpus: str = "mixed"  # docs | code | mixed (embedded) or a UTF-8 text file (byte tokenizer)
     context: int = 1024  # tokens per training window
     batch_size: int = 4  # windows per optimizer step
@@ -333,23 +335,25 @@ def sweep_one(config: CompareConfig, kind: str, options: dict) -> list[dict]:
 
 
 def speed_ratios(sweep: dict[str, list[dict]], at: tuple[int, ...] = RATIO_AT) -> dict[str, dict]:
-    """Sheaf vs dense at each n of ``at``: dense time / sheaf time and sheaf memory / dense memory.
+    """Sheaf vs dense at each n of ``at``: dense time / sheaf time and sheaf memory / dense memory
+    (dense: ``dense_conv`` where it ran, else ``dense``; the row's ``dense_model`` says which).
 
     Where dense was skipped (over a cap at a smaller n), the time ratio is
     None and ``time_ratio_at_least`` bounds it from below with dense's time at
     the n where it went over the cap (its time only grows with n).
     """
     out = {}
-    if "sheaf" not in sweep or "dense" not in sweep:
+    dense = next((kind for kind in ("dense_conv", "dense") if kind in sweep), None)
+    if "sheaf" not in sweep or dense is None:
         return out
-    points = {kind: {p["n"]: p for p in sweep[kind]} for kind in ("sheaf", "dense")}
+    points = {kind: {p["n"]: p for p in sweep[kind]} for kind in ("sheaf", dense)}
     for n in at:
-        s, d = points["sheaf"].get(n), points["dense"].get(n)
+        s, d = points["sheaf"].get(n), points[dense].get(n)
         if s is None or d is None or s["skipped"]:
             continue
-        row = {"sheaf_fwd_bwd_s": s["fwd_bwd_s"], "sheaf_peak_extra_bytes": s["peak_extra_bytes"]}
+        row = {"dense_model": dense, "sheaf_fwd_bwd_s": s["fwd_bwd_s"], "sheaf_peak_extra_bytes": s["peak_extra_bytes"]}
         if d["skipped"]:
-            measured = [p for p in sweep["dense"] if not p["skipped"]]
+            measured = [p for p in sweep[dense] if not p["skipped"]]
             row.update(time_ratio=None, memory_ratio=None, dense="skipped: " + d["reason"],
                        time_ratio_at_least=measured[-1]["fwd_bwd_s"] / s["fwd_bwd_s"] if measured else None)
         else:
@@ -469,10 +473,10 @@ def markdown(report: dict) -> str:
     for n, r in report["ratios"].items():
         if r["time_ratio"] is None:
             bound = r.get("time_ratio_at_least")
-            lines.append(f"- n = {n}: dense {r['dense']}; sheaf {r['sheaf_fwd_bwd_s']:.2f} s"
+            lines.append(f"- n = {n}: {r['dense_model']} {r['dense']}; sheaf {r['sheaf_fwd_bwd_s']:.2f} s"
                          + (f", so dense/sheaf time >= {bound:.2f}x" if bound else ""))
         else:
-            lines.append(f"- n = {n}: sheaf forward+backward {r['time_ratio']:.2f}x faster than dense "
+            lines.append(f"- n = {n}: sheaf forward+backward {r['time_ratio']:.2f}x faster than {r['dense_model']} "
                          f"({r['sheaf_fwd_bwd_s']:.2f} s vs {r['dense_fwd_bwd_s']:.2f} s; "
                          f"{r['total_time_ratio']:.2f}x with site building), peak extra memory "
                          f"{r['memory_ratio']:.3f} of dense's ({_mib(r['sheaf_peak_extra_bytes'])} vs "

@@ -14,11 +14,13 @@ from sheafgnn.model import SheafStateConfig
 
 SUMMARY_KEY = ("task", "seq_len", "train_len", "pairs", "vocab", "model", "hash_retrieval", "topology_rank",
                "topology_k", "content_blocks", "proposal_block", "pool_loss_weight", "block_scorer",
-               "block_summary", "sink_threshold", "keep_cost", "warmup", "lr", "steps")  # one row per key
+               "block_summary", "sink_threshold", "keep_cost", "map_kind", "warmup", "lr", "seed",
+               "steps")  # one row per key
 
 
 def _summary_key(row: dict) -> tuple:
-    # rows written before a key existed lack it: None (block_scorer, block_summary, sink_threshold, keep_cost)
+    # rows written before a key existed lack it: None (block_scorer, block_summary, sink_threshold, keep_cost,
+    # map_kind, seed)
     return tuple(str(row.get(k)) if isinstance(row.get(k), list) else row.get(k) for k in SUMMARY_KEY)
 
 
@@ -38,15 +40,15 @@ def summary_rows(report: dict) -> list[dict]:
     cfg, rows = report["config"], []
     sheaf = {**SheafStateConfig().to_dict(), **cfg["sheaf"]}
     topology = ("topology_rank", "topology_k", "content_blocks", "proposal_block", "pool_loss_weight",
-                "block_scorer", "block_summary", "sink_threshold", "keep_cost")
+                "block_scorer", "block_summary", "sink_threshold", "keep_cost", "map_kind")
     for task, r in report["tasks"].items():
         for kind, m in r["models"].items():
             for length, accuracy in m["accuracy"].items():
                 rows.append({"task": task, "seq_len": int(length), "train_len": r["train_len"],
-                             "pairs": cfg["mqar_pairs"] if task == "mqar" else None, "vocab": r["vocab_size"],
+                             "pairs": _pairs(cfg, task, int(length)), "vocab": r["vocab_size"],
                              "model": kind, "hash_retrieval": bool(cfg["hash_retrieval"]) and kind == "sheaf",
                              **{k: sheaf[k] if kind == "sheaf" else None for k in topology}, "lr": cfg["lr"],
-                             **_budget(cfg, task, r["train_len"], m), "accuracy": accuracy})
+                             "seed": cfg["seed"], **_budget(cfg, task, r["train_len"], m), "accuracy": accuracy})
             if "final_accuracy" in m.get("warmup", {}):  # the curriculum's final model on its warm-up task
                 short_len, short_pairs, _ = cfg["mqar_warmup"]
                 rows.append({**rows[-1], "seq_len": short_len, "pairs": short_pairs,
@@ -54,12 +56,21 @@ def summary_rows(report: dict) -> list[dict]:
     return sorted(rows, key=_summary_order)
 
 
+def _pairs(cfg: dict, task: str, length: int) -> int | None:
+    """Key-value pairs per row of a recall task at a test ``length`` (MQAR keeps its training density)."""
+    if task == "mqar":
+        return length * cfg["mqar_pairs"] // cfg["mqar_seq_len"]
+    return cfg["scatter_pairs"] if task == "scattered_recall" else None
+
+
 def _budget(cfg: dict, task: str, train_len: int, m: dict) -> dict:
-    """warmup, steps, tokens and seconds of one model's training on one task, its curriculum included."""
+    """warmup, steps (trained: an early stop ends them before ``cfg["steps"]``), tokens and seconds of one model's
+    training on one task, its curriculum included."""
     warmup = list(cfg.get("mqar_warmup") or ()) if task == "mqar" else []
     short_len, _, short_steps = warmup or (0, 0, 0)
-    return {"warmup": warmup or None, "steps": cfg["steps"] + short_steps,
-            "tokens": (cfg["steps"] * train_len + short_steps * short_len) * cfg["batch_size"],
+    steps = m.get("steps", cfg["steps"])  # reports written before early stopping trained every step
+    return {"warmup": warmup or None, "steps": steps + short_steps,
+            "tokens": (steps * train_len + short_steps * short_len) * cfg["batch_size"],
             "seconds": m["train_s"] + m.get("warmup", {}).get("train_s", 0.0)}
 
 
@@ -84,7 +95,8 @@ def _columns(report: dict) -> list[tuple[str, str]]:
 
 
 def _label(task: str, n: str, report: dict) -> str:
-    short = {"mqar": "MQAR", "selective_copying": "sel. copy", "induction_heads": "induction"}[task]
+    short = {"mqar": "MQAR", "scattered_recall": "scattered", "selective_copying": "sel. copy",
+             "induction_heads": "induction"}[task]
     return f"{short} @{n}" if task == "induction_heads" or len(report["tasks"][task]["test_lens"]) > 1 else short
 
 

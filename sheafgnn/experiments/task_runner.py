@@ -71,15 +71,22 @@ from sheafgnn.config import ConfigFile
 from sheafgnn.experiments.compare import BASELINE_SITE
 from sheafgnn.experiments.report import config_from_args, report_parser, run_report_command, write_report
 from sheafgnn.experiments.task_report import figures, markdown, merge_summary, summary_rows
-from sheafgnn.experiments.tasks import IGNORE_INDEX, induction_heads, mqar, selective_copying
-from sheafgnn.lm import MODEL_KINDS, build_model, count_model_parameters, matched_options, print_parameter_counts
+from sheafgnn.experiments.tasks import IGNORE_INDEX, induction_heads, mqar, scattered_recall, selective_copying
+from sheafgnn.lm import (
+    MODEL_KINDS,
+    build_model,
+    count_model_parameters,
+    matched_options,
+    print_parameter_counts,
+)
 from sheafgnn.memory import tune_cpu_process
 from sheafgnn.model import SheafStateLM
 from sheafgnn.optim import cosine_lr, make_optimizer
 from sheafgnn.site import SiteConfig, build_site
 from sheafgnn.train import resolve_device, train_step
 
-TASKS = ("mqar", "selective_copying", "induction_heads")
+TASKS = ("mqar", "scattered_recall", "selective_copying", "induction_heads")
+RECALL_TASKS = ("mqar", "scattered_recall")  # scored per pair; their test lengths keep the training pair density
 TASK_SITE = {"patch_types": ["local", "workspace", "output"], "retrieval_key_len": 1}
 # The tasks train the choice with the pool-read loss (off in SheafStateConfig): MQAR (128, 8) 0.975 without it,
 # 0.995 with it (tasks/summary.json). TasksConfig.sheaf is merged over these (its fields win).
@@ -117,8 +124,8 @@ class TasksConfig(ConfigFile):
     """A run of the dependency tasks (``print(config)`` shows every field)."""
 
     out_dir: str = "runs/tasks"  # tasks.json, tasks.md, induction.png
-    models: tuple[str, ...] = MODEL_KINDS  # which of sheaf | dense | local | ssm
-    tasks: tuple[str, ...] = TASKS  # which of mqar | selective_copying | induction_heads
+    models: tuple[str, ...] = ("sheaf", "dense_conv", "dense", "ssm")  # any of sheafgnn.lm.MODEL_KINDS
+    tasks: tuple[str, ...] = TASKS  # which of mqar | scattered_recall | selective_copying | induction_heads
     d_model: int = 64  # the sheaf model's width
     n_layers: int = 2  # blocks of every model
     n_heads: int = 2  # attention heads of dense and local
@@ -136,12 +143,16 @@ class TasksConfig(ConfigFile):
     seed: int = 0  # init and training batches; test rows use other seeds
     test_examples: int = 64  # held-out rows per task at the training length
     eval_every: int = 0  # also test at the training length every this many steps (0: at the end only)
+    stop_accuracy: float = 0.0  # > 0: stop training once a test (every eval_every steps) reaches it (Zoology: 0.99)
     summary: str = ""  # also merge this run's rows into this JSON file (e.g. benchmarks/results/tasks/summary.json)
     mqar_seq_len: int = 256  # MQAR row length
     mqar_pairs: int = 16  # MQAR key-value pairs
-    mqar_vocab: int = 512  # MQAR vocabulary
+    mqar_vocab: int = 512  # MQAR vocabulary (scattered_recall's too)
+    mqar_test_lens: tuple[int, ...] = ()  # MQAR also tested at these lengths, with the training pair density
     # (sequence, pairs, steps) of a shorter MQAR trained first, every model alike (a length curriculum); (): none
     mqar_warmup: tuple[int, ...] = ()
+    scatter_seq_len: int = 256  # scattered_recall row length
+    scatter_pairs: int = 16  # scattered_recall binds (each queried once)
     copy_seq_len: int = 256  # selective copying row length
     copy_tokens: int = 16  # data tokens to copy
     copy_vocab: int = 16  # selective copying vocabulary
@@ -169,6 +180,13 @@ class TasksConfig(ConfigFile):
         if not (self.lr > 0 and self.weight_decay >= 0 and self.grad_clip >= 0):
             raise ValueError(f"TasksConfig: need lr > 0, weight_decay >= 0, grad_clip >= 0 "
                              f"(got {self.lr}, {self.weight_decay}, {self.grad_clip})")
+        if not 0 <= self.stop_accuracy <= 1 or (self.stop_accuracy and not self.eval_every):
+            raise ValueError(f"TasksConfig: stop_accuracy must lie in [0, 1] and needs eval_every > 0 "
+                             f"(got {self.stop_accuracy}, eval_every {self.eval_every})")
+        self.mqar_test_lens = tuple(sorted(set(self.mqar_test_lens)))
+        if any(n * self.mqar_pairs % self.mqar_seq_len or n < self.mqar_seq_len for n in self.mqar_test_lens):
+            raise ValueError(f"TasksConfig: mqar_test_lens must be multiples of mqar_seq_len * k / mqar_pairs at or "
+                             f"above mqar_seq_len, so that the pair density holds (got {self.mqar_test_lens})")
         if not self.induction_test_lens or min(self.induction_test_lens) < 3:
             raise ValueError(f"TasksConfig: induction_test_lens must be lengths >= 3 (got {self.induction_test_lens})")
         if self.mqar_warmup and (len(self.mqar_warmup) != 3 or min(self.mqar_warmup) < 1):
@@ -187,7 +205,8 @@ class TasksConfig(ConfigFile):
         """A toy preset that runs in seconds (tests, smoke checks)."""
         values = dict(d_model=32, n_layers=1, window=16, sheaf={"headdim": 16}, steps=2, batch_size=2,
                       warmup_steps=1, test_examples=4,
-                      mqar_seq_len=64, mqar_pairs=4, mqar_vocab=64, copy_seq_len=32, copy_tokens=4,
+                      mqar_seq_len=64, mqar_pairs=4, mqar_vocab=64, scatter_seq_len=48, scatter_pairs=4,
+                      copy_seq_len=32, copy_tokens=4,
                       induction_train_len=32, induction_test_lens=(32, 128), induction_long_examples=2,
                       progress=False)
         values.update(overrides)
@@ -210,9 +229,11 @@ class TaskSpec:
     sample: Callable[[int, int, torch.Generator], tuple[Tensor, Tensor]]  # (rows, length, gen) -> (x, y) (B, T)
 
 
-def mqar_spec(seq_len: int, pairs: int, vocab: int) -> TaskSpec:
-    """MQAR trained and tested at ``seq_len`` with ``pairs`` key-value pairs over ``vocab`` ids."""
-    return TaskSpec("mqar", vocab, seq_len, (seq_len,), lambda b, n, g: mqar(b, n, pairs, vocab, g))
+def mqar_spec(seq_len: int, pairs: int, vocab: int, test_lens: tuple[int, ...] = ()) -> TaskSpec:
+    """MQAR trained at ``seq_len`` with ``pairs`` key-value pairs over ``vocab`` ids, tested there and at
+    ``test_lens`` with the same pair density (``n * pairs // seq_len`` pairs at length n)."""
+    return TaskSpec("mqar", vocab, seq_len, tuple(sorted({seq_len, *test_lens})),
+                    lambda b, n, g: mqar(b, n, n * pairs // seq_len, vocab, g))
 
 
 def task_specs(config: TasksConfig) -> dict[str, TaskSpec]:
@@ -220,7 +241,9 @@ def task_specs(config: TasksConfig) -> dict[str, TaskSpec]:
     :mod:`sheafgnn.experiments.tasks`."""
     c = config
     specs = {
-        "mqar": mqar_spec(c.mqar_seq_len, c.mqar_pairs, c.mqar_vocab),
+        "mqar": mqar_spec(c.mqar_seq_len, c.mqar_pairs, c.mqar_vocab, c.mqar_test_lens),
+        "scattered_recall": TaskSpec("scattered_recall", c.mqar_vocab, c.scatter_seq_len, (c.scatter_seq_len,),
+                                     lambda b, n, g: scattered_recall(b, n, c.scatter_pairs, c.mqar_vocab, g)),
         "selective_copying": TaskSpec("selective_copying", c.copy_vocab, c.copy_seq_len, (c.copy_seq_len,),
                                       lambda b, n, g: selective_copying(b, n, c.copy_tokens, c.copy_vocab, g)),
         "induction_heads": TaskSpec("induction_heads", c.induction_vocab, c.induction_train_len,
@@ -262,8 +285,11 @@ def train_task(model: nn.Module, spec: TaskSpec, config: TasksConfig, site_confi
     """Train ``model`` for ``steps`` (default ``config.steps``) on fresh rows of ``spec`` (the same rows
     for every model: seeded by ``config.seed``), warm-up + cosine over those steps.
 
+    With ``stop_accuracy``, training stops at the first test that reaches it (the cosine schedule stays the
+    one of ``steps``).
+
     Returns:
-        dict with ``train_loss`` (mean of the last quarter of steps), ``train_s``
+        dict with ``train_loss`` (mean of the last quarter of steps), ``steps`` (trained), ``train_s``
         and ``train_tokens_per_s`` (site building included), and ``curve``: the
         accuracy at the training length every ``eval_every`` steps (time spent
         testing is not counted in ``train_s``).
@@ -292,10 +318,12 @@ def train_task(model: nn.Module, spec: TaskSpec, config: TasksConfig, site_confi
             testing += time.perf_counter() - tic
             if not config.progress:
                 print(f"  {desc} step {step + 1}: loss {curve[-1]['loss']:.3f}, accuracy {accuracy:.3f}", flush=True)
+            if config.stop_accuracy and accuracy >= config.stop_accuracy:
+                break
     elapsed = time.perf_counter() - start - testing
     tail = losses[-max(1, len(losses) // 4):]
-    return {"train_loss": sum(tail) / len(tail), "train_s": elapsed, "curve": curve,
-            "train_tokens_per_s": steps * config.batch_size * spec.train_len / max(elapsed, 1e-9)}
+    return {"train_loss": sum(tail) / len(tail), "steps": len(losses), "train_s": elapsed, "curve": curve,
+            "train_tokens_per_s": len(losses) * config.batch_size * spec.train_len / max(elapsed, 1e-9)}
 
 
 @torch.no_grad()
@@ -371,9 +399,8 @@ def task_options(config: TasksConfig, vocab_size: int) -> tuple[dict[str, dict],
         return matched_options(config.models, sheaf_options, vocab_size, n_heads=config.n_heads,
                                window=config.window, site=config.sheaf_site)
     attention = {"d_model": config.d_model, "n_layers": config.n_layers, "n_heads": config.n_heads}
-    options = {"sheaf": dict(sheaf_options), "ssm": dict(sheaf_options), "dense": dict(attention),
-               "local": {**attention, "window": config.window}}
-    options = {k: options[k] for k in config.models}
+    options = {k: dict(sheaf_options) if k in ("sheaf", "ssm") else
+               {**attention, **({} if k.startswith("dense") else {"window": config.window})} for k in config.models}
     counts = {k: count_model_parameters(k, options[k], vocab_size, config.sheaf_site if k == "sheaf" else None)
               for k in config.models}
     counts["target"] = count_model_parameters("sheaf", sheaf_options, vocab_size, config.sheaf_site)
@@ -404,7 +431,8 @@ def run_task(spec: TaskSpec, config: TasksConfig) -> dict:
         result.update(train_task(model, spec, config, site_config, desc=f"{spec.name} {kind}"))
         accuracy, scored, split = {}, {}, {}
         for length in tqdm(spec.test_lens, desc=f"test {kind}", disable=not config.progress, leave=False):
-            examples = config.test_examples if length <= spec.train_len else config.induction_long_examples
+            examples = config.test_examples if length <= spec.train_len or spec.name in RECALL_TASKS \
+                else config.induction_long_examples
             r = evaluate(model, spec, length, examples, config, site_config)
             accuracy[str(length)], scored[str(length)] = r["accuracy"], r["scored"]
             split[str(length)] = {k: r[k] for k in ("accuracy_ambiguous", "scored_ambiguous", "accuracy_unambiguous")}
@@ -414,7 +442,7 @@ def run_task(spec: TaskSpec, config: TasksConfig) -> dict:
         if warmup is not None:  # the curriculum's final model on the shorter task too: one model for both
             result["warmup"]["final_accuracy"] = evaluate(model, short, short.train_len, config.test_examples, config,
                                                           site_config)["accuracy"]
-        result["curve"].append({"step": config.steps, "accuracy": accuracy[str(spec.train_len)],
+        result["curve"].append({"step": result["steps"], "accuracy": accuracy[str(spec.train_len)],
                                 "loss": result["train_loss"]})
         print(f"{kind:<6} loss {result['train_loss']:.3f}  accuracy "
               + "  ".join(f"@{n}: {a:.3f}" for n, a in accuracy.items())

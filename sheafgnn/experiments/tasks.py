@@ -9,6 +9,8 @@ its logits at t, having seen inputs[:t+1]); every unscored position holds
 
 - :func:`mqar`: recall the value bound to the key at t (num_pairs scored
   positions per row);
+- :func:`scattered_recall`: MQAR with the binds scattered through the row and
+  each query at a random distance after its own bind;
 - :func:`selective_copying`: output the i-th data token scattered in noise
   (the last num_tokens positions);
 - :func:`induction_heads`: output the token that followed the first trigger
@@ -111,6 +113,84 @@ def mqar(
     if random_non_queries:
         noise = torch.randint(vocab_size, (B, T), generator=generator)  # (B, T)
         inputs = torch.where(inputs == 0, noise, inputs)
+    return inputs, targets
+
+
+def scattered_recall(
+    batch_size: int,
+    seq_len: int = 256,
+    num_pairs: int = 16,
+    vocab_size: int = 1024,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor]:
+    r"""Associative recall with scattered binds: MQAR's keys, values and scoring in another layout.
+
+    In :func:`mqar` every bind ``k v`` sits at the start of the row and every
+    query after all of them, so "read the pairs region" is a rule a model can
+    learn without looking up content. Here the row is a random interleaving
+    of three kinds of units:
+
+    - ``num_pairs`` binds ``k_i v_i`` (two tokens), keys distinct in
+      [1, V // 2), values distinct in [V // 2, V), as in MQAR;
+    - ``num_pairs`` queries ``k_i`` (one token), each after its own bind: the
+      bind's and the query's places in the order of the ``2 * num_pairs``
+      events are the smaller and the larger of two uniform draws, so a query
+      may come right after its bind or far later, before or after other binds;
+    - ``seq_len - 3 * num_pairs`` filler tokens, uniform in [0, V) (as MQAR's
+      noise, a filler may repeat a key: a decoy), spread uniformly between
+      the events.
+
+    The target at a query is its bind's value; every other position is
+    :data:`IGNORE_INDEX`.
+
+    Example (``seq_len=12, num_pairs=2``, fillers written ``.``)::
+
+        inputs:  .  k1 v1 .  k2 v2 k2 .  .  k1 .  .
+        targets:                   v2       v1
+
+    Args:
+        batch_size (int): number of rows B.
+        seq_len (int, optional): row length T, at least ``3 * num_pairs``. (default: :obj:`256`)
+        num_pairs (int, optional): binds per row, each queried once. (default: :obj:`16`)
+        vocab_size (int, optional): V, at least ``2 * num_pairs + 2``. (default: :obj:`1024`)
+        generator (torch.Generator, optional): source of randomness.
+            (default: :obj:`None`, the global generator)
+
+    Shapes:
+        - **output:** inputs (B, T), targets (B, T), int64; num_pairs targets
+          per row are scored, the rest are -100.
+    """
+    _check_positive("scattered_recall", batch_size=batch_size, seq_len=seq_len, num_pairs=num_pairs)
+    if 3 * num_pairs > seq_len:
+        raise ValueError(f"scattered_recall: seq_len must be at least 3 * num_pairs (a bind of two tokens and a "
+                         f"query per pair); got seq_len={seq_len}, num_pairs={num_pairs}")
+    if vocab_size // 2 - 1 < num_pairs:
+        raise ValueError(f"scattered_recall: vocab_size too small for {num_pairs} distinct keys in "
+                         f"[1, vocab_size // 2); need vocab_size >= {2 * num_pairs + 2} (got {vocab_size})")
+    B, T, P = batch_size, seq_len, num_pairs
+    half = vocab_size // 2
+    keys = _distinct(B, P, half - 1, generator) + 1  # (B, P) in [1, V/2)
+    values = _distinct(B, P, vocab_size - half, generator) + half  # (B, P) in [V/2, V)
+    # The order of the 2P events: pair i binds at the smaller of two uniform draws and is queried at the larger.
+    draws = torch.rand(B, P, 2, generator=generator, dtype=torch.float64).sort(-1).values  # (B, P, 2)
+    event_time = draws.flatten(1)  # (B, 2P): bind of pair i at 2i, its query at 2i + 1
+    order = event_time.argsort(1)  # (B, 2P) events in time order
+    is_bind = order % 2 == 0  # (B, 2P)
+    pair = order // 2  # (B, 2P)
+    # Units: 2P events and F fillers; the events take a random sorted subset of the T - P unit slots.
+    fillers = T - 3 * P
+    slots = _distinct(B, 2 * P, 2 * P + fillers, generator).sort(1).values  # (B, 2P) unit index of each event
+    # A unit's first token: every earlier unit takes one token, and every earlier bind one more.
+    binds_before = torch.cumsum(is_bind.long(), 1) - is_bind.long()  # (B, 2P)
+    start = slots + binds_before  # (B, 2P) token position of each event
+    inputs = torch.randint(vocab_size, (B, T), generator=generator)  # (B, T) fillers everywhere first
+    key_of = keys.gather(1, pair)  # (B, 2P)
+    inputs.scatter_(1, start, key_of)
+    bind_rows, bind_events = is_bind.nonzero(as_tuple=True)
+    inputs[bind_rows, start[bind_rows, bind_events] + 1] = values[bind_rows, pair[bind_rows, bind_events]]
+    targets = torch.full((B, T), IGNORE_INDEX, dtype=torch.long)  # (B, T)
+    query_rows, query_events = (~is_bind).nonzero(as_tuple=True)
+    targets[query_rows, start[query_rows, query_events]] = values[query_rows, pair[query_rows, query_events]]
     return inputs, targets
 
 
