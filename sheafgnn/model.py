@@ -92,6 +92,11 @@ class SheafStateConfig(ConfigFile):
     num_experts: int = 1  # experts per node type (> 1: top-1 routing + balance loss)
     shared_experts: bool = False  # one set of experts for every node type (the type embeddings still differ)
     glue_gate: bool = False  # h + g * (G(h) - h) with a per-channel g initialised at 0: the model starts as its SSM
+    # the token states are the residual stream: each block's outputs start from their tokens, glue, and reach the
+    # tokens through a zero-initialised broadcast (then E on tokens and patches); R reads the tokens. At
+    # initialisation the model is its SSM exactly.
+    token_residual: bool = False
+    shared_ssm: bool = False  # the patch chains run the token chain's SSM (its weights; their own norm)
     topology_k: int = 8  # candidates kept per destination (all edge types compete together)
     topology_rank: int = 16  # width r of the topology's query/key projections
     content_blocks: int = 2  # content-addressed blocks proposed per output (0: off)
@@ -172,13 +177,15 @@ class SheafBlock(nn.Module):
         self.phi_token = SelectiveSSM(D, **ssm_args)
         self.norm_expert = nn.LayerNorm(D)
         self.by_type = config.gluing and not config.shared_experts
-        self.experts = PatchExperts(D, len(FLAT_TYPES) if self.by_type else 1, config.expert_mult * D,
+        self.token_residual = config.gluing and config.token_residual
+        num_types = len(FLAT_TYPES) - self.token_residual  # token_residual: the outputs have no expert
+        self.experts = PatchExperts(D, num_types if self.by_type else 1, config.expert_mult * D,
                                     config.num_experts)
         if not config.gluing:
             return
         self.pool = nn.Linear(D, D, bias=False)
         self.norm_patch = nn.LayerNorm(D)
-        self.phi_patch = SelectiveSSM(D, **ssm_args)
+        self.phi_patch = self.phi_token if config.shared_ssm else SelectiveSSM(D, **ssm_args)
         self.topology = LearnedTopology(D, len(GLUE_EDGES), len(FLAT_TYPES), config.topology_k,
                                         rank=config.topology_rank, content_blocks=config.content_blocks,
                                         block_size=config.proposal_block, random_proposals=config.random_proposals,
@@ -189,6 +196,8 @@ class SheafBlock(nn.Module):
                               normalize="none")
         self.glue_gate = nn.Parameter(torch.zeros(D)) if config.glue_gate else None
         self.broadcast = nn.Linear(D, D, bias=False)
+        if self.token_residual:
+            nn.init.zeros_(self.broadcast.weight)
 
     def forward(self, h: Tensor, site: FlatSite, extras: Extras = Extras()) -> tuple[Tensor, dict]:
         if not self.gluing:
@@ -207,7 +216,7 @@ class SheafBlock(nn.Module):
         h_chain, h_unchained = h_patch.split([num_chained, h_patch.size(0) - num_chained])
         h_chain = h_chain + self.phi_patch(h_chain, site.chain_reset, norm=self.norm_patch)  # Phi along each chain
         # Output t reads token t: its state starts from the token's (the 'token reads output' edge).
-        h = torch.cat([h_tok, h_chain, h_unchained, h_out + h_tok])  # (N, D)
+        h = torch.cat([h_tok, h_chain, h_unchained, h_tok if self.token_residual else h_out + h_tok])  # (N, D)
 
         chosen = self.topology(h, topology_input(site), extras.candidates, extras.pool_read,  # sorted by destination
                                extras.block_loss)
@@ -216,6 +225,9 @@ class SheafBlock(nn.Module):
                           ptr=chosen.ptr)
         glued, energy = glued if extras.energy else (glued, None)
         h = self.gate(h, glued)
+        if self.token_residual:
+            h, balance = self.token_tail(h, site.type_ptr, site.tokens.stop)
+            return h, {"balance": balance, "selection": chosen, "energy": energy}
 
         update, balance = self.experts(h, self.expert_ptr(site.type_ptr), self.norm_expert)
         h_tok, h_patch, h_out = (h + update).split(sizes)
@@ -245,13 +257,25 @@ class SheafBlock(nn.Module):
                                                  cache.chain_ssm, delta.chain_rows, norm=self.norm_patch)
             h_patch = torch.cat([h_patch[:num_chained] + y, h_patch[num_chained:]])
             cache.state.write(first + tok.stop, h_patch)
-        h = torch.cat([h_tok, h_patch, h[out] + h_tok])  # (N, D)
+        h = torch.cat([h_tok, h_patch, h_tok if self.token_residual else h[out] + h_tok])  # (N, D)
 
         src, dst, edge_type, weight = select_streamed(self.topology, h, delta, cache)
         # Bipartite gluing: the new nodes (destinations) read their sources' cached states in place.
         glued = self.glue((cache.state.data, h), torch.stack([src, dst]), edge_type, weight,
                           ptr=ptr_from_index(dst, h.size(0)))
+        if self.token_residual:
+            return self.token_tail(self.gate(h, glued), delta.type_ptr, tok.stop)[0]
         return self.step_tail(self.gate(h, glued), delta.type_ptr, tok.stop)
+
+    def token_tail(self, glued: Tensor, type_ptr: list[int], num_tokens: int) -> tuple[Tensor, Tensor]:
+        """``token_residual``'s E and broadcast on glued rows (N, D) (tokens first, outputs last): token t gets
+        output t's row through ``broadcast``, then tokens and patches their experts; the outputs are kept as they
+        are (the next block starts them from their tokens again). Returns the rows and the balance loss."""
+        body, h_out = glued.split([glued.size(0) - num_tokens, num_tokens])  # (N - T, D), (T, D)
+        h_tok, h_patch = body.split([num_tokens, body.size(0) - num_tokens])
+        body = torch.cat([h_tok + self.broadcast(h_out), h_patch])
+        update, balance = self.experts(body, self.expert_ptr(type_ptr[:-1]), self.norm_expert)
+        return torch.cat([body + update, h_out]), balance
 
     def gate(self, h: Tensor, glued: Tensor) -> Tensor:
         """The gluing's update through the gate: ``h + g * (glued - h)`` (``glued`` without ``glue_gate``)."""
@@ -370,8 +394,15 @@ class SheafStateLM(nn.Module):
             else:
                 h, info = block(h, site, extras)
             infos.append(info)
-        h_out = h[site.block("output")] if self.config.gluing else h  # (num_tokens, D)
+        h_out = h[self.read_rows(site)]  # (num_tokens, D)
         return h_out, infos, site
+
+    def read_rows(self, site: FlatSite | StreamDelta) -> slice:
+        """The rows of a block's output that R reads: the outputs, or the tokens (``token_residual``, and the ssm
+        ablation, whose rows are its tokens)."""
+        if not self.config.gluing or self.config.token_residual:
+            return slice(0, site.type_ptr[1]) if self.config.gluing else slice(None)
+        return site.block("output")
 
     def readout(self, h_out: Tensor) -> Tensor:
         r"""R: next-token logits from the output states, tied to the token

@@ -223,7 +223,7 @@ class SheafStream(TokenStream):
                         delta.topic.to(self.device), delta.register.to(self.device))  # (N, D)
         for block, cache in zip(model.blocks, self.caches):
             h = block.step(h, delta, cache)
-        logits = model.readout(h[delta.block("output")])  # (T, V)
+        logits = model.readout(h[model.read_rows(delta)])  # (T, V)
         return list(logits.split([x.numel() for x in ids]))
 
     def _feed_tokens_only(self, ids: list[Tensor]) -> list[Tensor]:

@@ -209,6 +209,29 @@ def test_ssm_ablation_has_no_gluing(full_config):
         model.topology(data)
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_token_residual_starts_as_its_ssm(full_config, shared):
+    """With token_residual the sheaf model at initialisation computes what its ssm ablation computes: given the
+    ssm's weights for the shared parts, the logits are equal (the broadcast starts at zero); a causal model too."""
+    torch.manual_seed(0)
+    options = dict(token_residual=True, shared_experts=shared, shared_ssm=shared)
+    sheaf = SheafStateLM(_config(full_config, **options)).double().eval()
+    ssm = SheafStateLM(_config(full_config, **options, gluing=False)).double().eval()
+    state = sheaf.state_dict()
+    for name, value in ssm.state_dict().items():
+        if name.startswith("blocks.") and ".experts.experts.0." in name:  # the ssm's one expert: the tokens'
+            state[name.replace(".experts.experts.0.", ".experts.experts.0.")].copy_(value)
+        elif name in state and state[name].shape == value.shape:
+            state[name].copy_(value)
+    data = build_site(PROSE, sheaf.config.site_config)
+    torch.testing.assert_close(sheaf(data), ssm(data), rtol=1e-12, atol=1e-12)
+    with torch.no_grad():
+        for block in sheaf.blocks:
+            block.broadcast.weight.normal_(0.0, 0.1)
+    assert not torch.allclose(sheaf(data), ssm(data), atol=1e-6)  # the gluing reaches the logits through it
+    assert_logits_causal(sheaf, CODE, trials=2, atol=1e-8)
+
+
 def test_generate(full_config):
     torch.manual_seed(0)
     model = SheafStateLM(_config(full_config))

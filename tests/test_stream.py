@@ -59,6 +59,19 @@ def _gate_open(model: SheafStateLM) -> SheafStateLM:
     return model
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_stream_equals_full_forward_with_token_residual(full_config, shared):
+    model = _gate_open(_model(full_config, token_residual=True, shared_ssm=shared, shared_experts=shared,
+                              glue_gate=shared))
+    with torch.no_grad():  # the broadcast starts at zero: make the gluing reach the logits
+        for block in model.blocks:
+            block.broadcast.weight.normal_(0.0, 0.2)
+    ids = torch.tensor(list((PROSE + CODE).encode()))[:200]
+    for chunk in (1, 13):
+        streamed = _streamed(model.stream(), ids, chunk)
+        torch.testing.assert_close(streamed, _full_logits(model, ids), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("chunk", [1, 13])
 def test_stream_equals_full_forward_with_shared_experts_and_gate(full_config, chunk):
     model = _gate_open(_model(full_config, shared_experts=True, glue_gate=True))
