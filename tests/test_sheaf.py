@@ -16,7 +16,7 @@ from sheafgnn.nn.segment import (
 from sheafgnn.nn.sheaf import SheafConv
 
 BACKENDS = ["torch"] + (["torch_scatter"] if HAS_TORCH_SCATTER else [])
-MAP_KINDS = ["diag", "orthogonal", "general"]
+MAP_KINDS = ["diag", "orthogonal", "general", "identity"]
 
 # 6 nodes, unsorted, with a self-loop (3->3), a multi-edge (0->2 twice),
 # node 0 without in-edges, and time order src <= dst everywhere.
@@ -201,6 +201,15 @@ def test_orthogonal_maps_are_orthogonal():
     conv1 = SheafConv(3, stalk_dim=1, map_kind="orthogonal")
     f1, _ = conv1.restriction_maps(torch.randn(N, 3), EDGE_INDEX)
     assert torch.equal(f1, torch.ones(EDGE_INDEX.size(1), 1, 1))
+
+
+def test_identity_maps_learn_nothing():
+    """map_kind='identity': F = I on every edge, no map learner (the ablation of learned restriction maps)."""
+    conv = SheafConv(12, stalk_dim=4, map_kind="identity", num_edge_types=3)
+    assert conv.map_lin is None and conv.map_type_emb is None
+    assert {name for name, _ in conv.named_parameters()} == {"weight_channel", "eps"}
+    f_src, f_dst = conv.restriction_maps(torch.randn(N, 12), EDGE_INDEX, EDGE_TYPE)
+    assert torch.equal(f_src, torch.eye(4).expand(EDGE_INDEX.size(1), 4, 4)) and torch.equal(f_src, f_dst)
 
 
 def test_energy_zero_on_global_section():

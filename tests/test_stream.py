@@ -83,7 +83,8 @@ def test_stream_equals_full_forward_with_shared_experts_and_gate(full_config, ch
 @pytest.mark.parametrize("map_kind,num_experts,block_scorer,block_summary,sink_threshold",
                          [("orthogonal", 2, False, "mean", False), ("diag", 2, True, "mean", False),
                           ("general", 1, False, "mean", False), ("diag", 1, False, "bounds", False),
-                          ("diag", 1, True, "bounds", False), ("diag", 1, False, "mean", True)])
+                          ("diag", 1, True, "bounds", False), ("diag", 1, False, "mean", True),
+                          ("identity", 1, False, "mean", False)])
 def test_stream_equals_full_forward_every_map_kind(full_config, map_kind, num_experts, block_scorer, block_summary,
                                                    sink_threshold):
     model = _model(full_config, map_kind=map_kind, num_experts=num_experts, proposal_block=4, content_blocks=3,

@@ -51,7 +51,7 @@ from sheafgnn.nn.segment import (
 
 __all__ = ["MAP_KINDS", "NORMALIZATIONS", "SheafConv"]
 
-MAP_KINDS = ("diag", "orthogonal", "general")
+MAP_KINDS = ("diag", "orthogonal", "general", "identity")
 NORMALIZATIONS = ("in_degree", "weight", "none")
 
 
@@ -92,7 +92,8 @@ class SheafConv(MessagePassing):
     (:obj:`"diag"`), :math:`\tanh` (:obj:`"general"`), or the Cayley transform
     :math:`(\mathbf{I} + \mathbf{A})^{-1}(\mathbf{I} - \mathbf{A})` of a skew
     matrix :math:`\mathbf{A}` (:obj:`"orthogonal"`: exactly orthogonal, in
-    :math:`SO(d)`). The first layer of :math:`\Psi` is evaluated per node and
+    :math:`SO(d)`); :obj:`"identity"` fixes every map to :math:`\mathbf{I}` (no
+    map learner: the ablation that asks what learned maps buy). The first layer of :math:`\Psi` is evaluated per node and
     gathered per edge, which equals the per-edge linear layer on the
     concatenation at :math:`O(|\mathcal{V}|)` instead of :math:`O(|\mathcal{E}|)` matmul cost.
 
@@ -152,8 +153,8 @@ class SheafConv(MessagePassing):
         in_channels (int): Width of the node features, :math:`d \cdot f`.
         stalk_dim (int): Stalk dimension :math:`d`; must divide
             :obj:`in_channels`.
-        map_kind (str, optional): :obj:`"diag"`, :obj:`"orthogonal"` or
-            :obj:`"general"` restriction maps. (default: :obj:`"diag"`)
+        map_kind (str, optional): :obj:`"diag"`, :obj:`"orthogonal"`,
+            :obj:`"general"` or :obj:`"identity"` restriction maps. (default: :obj:`"diag"`)
         num_edge_types (int, optional): Number of edge types :math:`T`; the
             map learner sees a learned embedding of the type.
             (default: :obj:`1`)
@@ -223,7 +224,7 @@ class SheafConv(MessagePassing):
 
         d = stalk_dim
         # P: map-learner outputs per (edge, side)
-        self.num_map_params = {"diag": d, "general": d * d, "orthogonal": d * (d - 1) // 2}[map_kind]
+        self.num_map_params = {"diag": d, "general": d * d, "orthogonal": d * (d - 1) // 2, "identity": 0}[map_kind]
         hidden = map_hidden_channels or self.num_map_params
         self._map_width = hidden
         if self.num_map_params > 0:
@@ -232,7 +233,7 @@ class SheafConv(MessagePassing):
             self.map_type_emb = nn.Embedding(num_edge_types, hidden)
             self.map_out = (nn.Linear(hidden, self.num_map_params)
                             if map_hidden_channels is not None else None)
-        else:  # orthogonal with d == 1: the only map is the identity
+        else:  # identity, or orthogonal with d == 1 (whose only map is the identity): nothing to learn
             self.map_lin = self.map_type_emb = self.map_out = None
         if map_kind == "orthogonal" and d > 1:
             iu = torch.triu_indices(d, d, offset=1)  # (2, P)
@@ -270,8 +271,8 @@ class SheafConv(MessagePassing):
         (src, dst), (num_edges, d) for diag, else (num_edges, d, d);
         returns (F_src, F_dst)."""
         d, num_edges = self.stalk_dim, src.numel()
-        if self.map_lin is None:  # orthogonal, d == 1
-            eye = x.new_ones(num_edges, 1, 1)
+        if self.map_lin is None:  # identity maps, as diag ones; orthogonal with d == 1
+            eye = x.new_ones(num_edges, d) if self.map_kind == "identity" else x.new_ones(num_edges, 1, 1)
             return eye, eye
         H = self._map_width
         node = self.map_lin(x)  # (N, 2H): [x W_a, x W_b]
@@ -435,6 +436,8 @@ class SheafConv(MessagePassing):
         r"""The C++ kernel ``glue_diag`` (:mod:`sheafgnn.nn.cpu_kernels`: a step's gluing in one call, not ~40 ops)
         and this layer's weights for it, where it computes what :meth:`forward` does (inference on the CPU, sorted
         typed weighted edges with their :obj:`ptr`, diag maps, no stalk mixing, no normalisation, ELU), else None."""
+        if self.map_kind != "diag":
+            return None
         map_out, weight_stalk, act, map_lin, map_type_emb, *weights = cpu_kernels.registered(self, (
             "map_out", "weight_stalk", "act", "map_lin", "map_type_emb",  # checked; then glue_diag's weights
             "map_lin.weight", "map_type_emb.weight", "weight_channel", "eps"))
