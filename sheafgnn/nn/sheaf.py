@@ -93,8 +93,8 @@ class SheafConv(MessagePassing):
     :math:`(\mathbf{I} + \mathbf{A})^{-1}(\mathbf{I} - \mathbf{A})` of a skew
     matrix :math:`\mathbf{A}` (:obj:`"orthogonal"`: exactly orthogonal, in
     :math:`SO(d)`); :obj:`"identity"` fixes every map to :math:`\mathbf{I}` (no
-    map learner: the ablation that asks what learned maps buy). The first layer of :math:`\Psi` is evaluated per node and
-    gathered per edge, which equals the per-edge linear layer on the
+    map learner: the ablation that asks what learned maps buy). The first layer of
+    :math:`\Psi` is evaluated per node and gathered per edge, which equals the per-edge linear layer on the
     concatenation at :math:`O(|\mathcal{V}|)` instead of :math:`O(|\mathcal{E}|)` matmul cost.
 
     The layer applies the destination's row of the in-edge sheaf Laplacian,
