@@ -42,9 +42,8 @@ class MissingExtra(ImportError):
 
 
 def _package(module: str) -> tuple[str, str]:
-    """(distribution, extra) of an optional module: its top-level package's, torch.utils.tensorboard's is
-    tensorboard's."""
-    return PACKAGES["tensorboard" if module == "torch.utils.tensorboard" else module.split(".")[0]]
+    """(distribution, extra) of an optional module: its top-level package's (torch.utils.tensorboard: tensorboard's)."""
+    return PACKAGES[module.removeprefix("torch.utils.").split(".")[0]]
 
 
 def install_hint(module: str) -> str:
