@@ -1,16 +1,21 @@
 """The optional C++ kernels (sheafgnn.nn.cpu_kernels) against their PyTorch references."""
+import functools
+import warnings
+
 import pytest
 import torch
+import torch.utils.cpp_extension
 
-from sheafgnn.model import SheafBlock
+from sheafgnn.model import SheafBlock, SheafStateLM
 from sheafgnn.nn import cpu_kernels
 from sheafgnn.nn.experts import FeedForward, PatchExperts, feed_forward_reference
 from sheafgnn.nn.proposals import best_blocks, content_blocks, ranked_blocks_reference
 from sheafgnn.nn.segment import sort_by_destination
 from sheafgnn.nn.sheaf import SheafConv
 from sheafgnn.nn.ssm import SelectiveSSM, SSMState
+from sheafgnn.site import build_site
 
-from .conftest import small_model_config
+from .conftest import CODE, PROSE, small_model_config
 
 block_topk = cpu_kernels.block_topk()
 needs_kernel = pytest.mark.skipif(block_topk is None, reason="the block_topk kernel is disabled or could not be built")
@@ -348,3 +353,42 @@ def test_glue_diag_only_for_the_configuration_it_computes():
         assert conv._kernel(x, edge_index, None, *args[3:]) is None  # untyped edges
         assert conv._kernel(*args[:4], None) is None  # not sorted by the caller
     assert conv._kernel(*args) is None  # gradients on
+
+
+# ---------------------------------------------------------------------- #
+# a machine where the kernels cannot be built
+# ---------------------------------------------------------------------- #
+def _forward_and_stream(model: SheafStateLM, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full forward's logits and those of a stream fed one token at a time (the step kernels' rows)."""
+    with torch.no_grad():
+        stream = model.stream()
+        return model(build_site(ids, model.config.site_config)), torch.cat([stream.feed(i.view(1)) for i in ids])
+
+
+def test_a_failed_kernel_build_warns_once_and_changes_no_logit(monkeypatch, full_config):
+    """torch.utils.cpp_extension.load raises for every source (no compiler): one warning in all, whatever the
+    number of sources and calls, and the forward (content proposals: block_topk) and a stream (every step
+    kernel) give exactly the logits of the PyTorch paths (SHEAFGNN_CPU_KERNELS=0)."""
+    torch.manual_seed(0)
+    model = SheafStateLM(small_model_config(full_config, map_kind="diag", proposal_block=4, content_blocks=3)).eval()
+    ids = torch.tensor(list((PROSE + CODE).encode()))[:120]
+    monkeypatch.setenv("SHEAFGNN_CPU_KERNELS", "0")
+    reference = _forward_and_stream(model, ids)
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Error building extension: c++: command not found")
+
+    monkeypatch.setenv("SHEAFGNN_CPU_KERNELS", "1")
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
+    # Empty caches for this test; monkeypatch puts back the cached function with the kernels built so far.
+    monkeypatch.setattr(cpu_kernels, "_load", functools.cache(cpu_kernels._load.__wrapped__))
+    monkeypatch.setattr(cpu_kernels, "_failed", [])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fallback = _forward_and_stream(model, ids)
+        assert cpu_kernels.ssm_step() is None and cpu_kernels.block_topk() is None
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1 and "could not be built (RuntimeError: Error building extension: c++: command " \
+        "not found); using the PyTorch paths" in messages[0] and "pip install 'sheafgnn[kernels]'" in messages[0]
+    assert sorted(cpu_kernels._failed) == ["block_topk", "step_kernels"]  # both sources were tried, once each
+    assert all(torch.equal(a, b) for a, b in zip(fallback, reference))
