@@ -17,8 +17,7 @@ from sheafgnn.site import build_site
 
 from .conftest import CODE, PROSE, small_model_config
 
-block_topk = cpu_kernels.block_topk()
-needs_kernel = pytest.mark.skipif(block_topk is None, reason="the block_topk kernel is disabled or could not be built")
+needs_kernel = pytest.mark.needs("block_topk")  # skipped where it is not built; CI fails instead (conftest.py)
 
 
 def _ranges(g: torch.Generator, M: int, J: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,7 +37,7 @@ def test_block_topk_equals_the_reference(dtype, shape):
     g = torch.Generator().manual_seed(M + J)
     query, keys = torch.randn(M, r, generator=g, dtype=dtype), torch.randn(J, r, generator=g, dtype=dtype)
     first, last = _ranges(g, M, J)
-    pick = block_topk(query, keys, first, last, k)
+    pick = cpu_kernels.block_topk()(query, keys, first, last, k)
     assert pick.dtype == torch.long and pick.shape == (M, k)
     assert torch.equal(pick, ranked_blocks_reference(query, keys, first, last, k))
     size = (last.clamp(max=J) - first).clamp(min=0, max=k)  # blocks each row can have
@@ -52,17 +51,17 @@ def test_block_topk_ties_and_non_finite_scores():
     keys[4] = 2.0  # the best
     keys[1] = float("-inf")
     query = torch.ones(2, 2)
-    pick = block_topk(query, keys, torch.tensor([0, 2]), torch.tensor([6, 4]), 3)
+    pick = cpu_kernels.block_topk()(query, keys, torch.tensor([0, 2]), torch.tensor([6, 4]), 3)
     assert pick.tolist() == [[4, 0, 2], [2, 3, -1]]
 
 
 @needs_kernel
 def test_block_topk_checks_its_input():
     with pytest.raises(RuntimeError, match="expected query"):
-        block_topk(torch.randn(3, 4), torch.randn(6, 5), torch.zeros(3, dtype=torch.long),
+        cpu_kernels.block_topk()(torch.randn(3, 4), torch.randn(6, 5), torch.zeros(3, dtype=torch.long),
                    torch.ones(3, dtype=torch.long), 2)
     with pytest.raises(RuntimeError, match="k must be"):
-        block_topk(torch.randn(3, 4), torch.randn(6, 4), torch.zeros(3, dtype=torch.long),
+        cpu_kernels.block_topk()(torch.randn(3, 4), torch.randn(6, 4), torch.zeros(3, dtype=torch.long),
                    torch.ones(3, dtype=torch.long), 0)
 
 
@@ -92,8 +91,7 @@ def test_best_blocks_without_the_kernel(monkeypatch):
 # ---------------------------------------------------------------------- #
 # the generation step's kernels (csrc/step_kernels.cpp)
 # ---------------------------------------------------------------------- #
-step_kernels = cpu_kernels.ssm_step() is not None
-needs_step_kernels = pytest.mark.skipif(not step_kernels, reason="the step kernels are disabled or could not be built")
+needs_step_kernels = pytest.mark.needs("step_kernels")
 
 
 def _random_(module: torch.nn.Module, g: torch.Generator) -> torch.nn.Module:
