@@ -46,7 +46,7 @@ def corpus(tmp_path_factory) -> str:
 def tiny(corpus: str, out_dir: Path, **overrides) -> TrainConfig:
     values = dict(model="dense", model_config=dict(TINY), site={"patch_types": []}, corpus=corpus, context=64,
                   batch_size=4, steps=12, lr=3e-3, warmup_steps=2, eval_every=4, eval_batches=2, checkpoint_every=4,
-                  log_every=1, out_dir=str(out_dir), num_threads=1, progress=False, tensorboard=False)
+                  log_every=1, out_dir=str(out_dir), num_threads=1, progress=False, tensorboard=False, device="cpu")
     values.update(overrides)
     return TrainConfig(**values)
 
