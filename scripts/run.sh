@@ -4,10 +4,12 @@
 #   sh scripts/run.sh demo    # install everything, run the main demo
 #   sh scripts/run.sh test    # install everything, run the test suite
 #
-# Needs only Python >= 3.11 with pip. torch-scatter and torch-sparse are
-# compiled from source where pip finds no wheel (about 10 minutes on 2 cores,
-# once; pip caches the wheels). Set TORCH_INDEX_URL to pick a torch build,
-# e.g. https://download.pytorch.org/whl/cpu on a machine without CUDA.
+# Needs only Python >= 3.11 with pip. Installs the core and every extra
+# (experiments, kernels, dev), then torch-scatter and torch-sparse (the fast
+# extra), compiled against the installed torch from source where pip finds no
+# wheel (about 10 minutes on 2 cores, once; pip caches the wheels). Set
+# TORCH_INDEX_URL to pick a torch build, e.g.
+# https://download.pytorch.org/whl/cpu on a machine without CUDA.
 set -eu
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -27,7 +29,7 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     else
         $PIP install -q "torch==$TORCH_VERSION"
     fi
-    $PIP install -q -e ".[dev]"
+    $PIP install -q -e ".[experiments,kernels,dev]"
     # Build isolation would pull a second (CUDA) torch into the build env.
     MAX_JOBS=${MAX_JOBS:-2} $PIP install -q --no-build-isolation torch-scatter torch-sparse
     echo "$WANT" > "$STAMP"

@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from sheafgnn.checkpoint import CheckpointError
 from sheafgnn.config import ArgumentParser, at_least
+from sheafgnn.optional import MissingExtra
 from sheafgnn.train import TrainingDiverged
 
 # Subcommands with their own argument parsers: `sheafgnn NAME ARGS` calls module.function(ARGS).
@@ -46,8 +47,9 @@ DELEGATED = {
 }
 
 
-# What the library raises for bad input; main() reports them in one line with exit status 2.
-USER_ERRORS = (ValueError, OSError, yaml.YAMLError, CheckpointError, TrainingDiverged)
+# What the library raises for bad input or a missing optional dependency; main() reports them in one line
+# with exit status 2.
+USER_ERRORS = (ValueError, OSError, yaml.YAMLError, CheckpointError, TrainingDiverged, MissingExtra)
 
 
 def _print_site_statistics(graphs: list[HeteroData]) -> dict[str, dict[str, float]]:

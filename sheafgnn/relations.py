@@ -46,12 +46,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-import scipy.sparse as sp
 from torch import Tensor
 from torch_geometric.data import HeteroData
 
+from sheafgnn.optional import require
 from sheafgnn.site import CANDIDATE_EDGES, NODE_TYPES
 from sheafgnn.site.schema import EdgeType
+
+sp = require("scipy.sparse", "sheafgnn.relations (the simulation, the learned-topology study, sheafgnn inspect)")
 
 
 @dataclass

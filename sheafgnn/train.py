@@ -52,6 +52,7 @@ from sheafgnn.data import KINDS, StepSampler, WindowDataset, scored_batches, tra
 from sheafgnn.lm import MODEL_KINDS, build_model, config_dict
 from sheafgnn.memory import process_peak_bytes, tune_cpu_process
 from sheafgnn.optim import cosine_lr, make_optimizer
+from sheafgnn.optional import require
 from sheafgnn.site import BPETokenizer, ByteTokenizer, SiteBuilder, SiteConfig
 
 # Fields that fix the model, the data and its order: a resumed run must match them.
@@ -312,8 +313,8 @@ class _Log:
         self.csv.writeheader()
         self.csv.writerows(kept)
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
+            SummaryWriter = require("torch.utils.tensorboard", "TrainConfig.tensorboard",
+                                    otherwise="set tensorboard: false").SummaryWriter
             self.tb = SummaryWriter(str(out_dir / "tb"), purge_step=start_step + 1 if start_step else None)
 
     def write(self, row: dict) -> None:

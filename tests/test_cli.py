@@ -20,9 +20,9 @@ from .conftest import CODE, PROSE
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 TRAIN_CONFIGS = ("sheaf", "dense", "local", "ssm")
-# Keeps a shipped config's 2 training steps fast; the model sizes stay as shipped.
+# Keeps a shipped config's 2 training steps fast (on the CPU, also where a GPU is); the model sizes stay as shipped.
 FAST = ["--set", "steps=2", "--set", "context=32", "--set", "batch_size=2", "--set", "eval_batches=1",
-        "--set", "progress=false", "--set", "tensorboard=false"]
+        "--set", "progress=false", "--set", "tensorboard=false", "--set", "device=cpu"]
 
 
 def run(argv: list[str], capsys) -> tuple[int, str, str]:
@@ -150,7 +150,7 @@ def test_inspect_from_config_and_from_a_training_run(tmp_path, capsys):
     train.write_text(yaml.safe_dump({
         "model": "sheaf", "model_config": {"d_model": 32, "n_layers": 1, "headdim": 16}, "context": 64,
         "batch_size": 2, "steps": 2, "eval_every": 2, "eval_batches": 1, "checkpoint_every": 2,
-        "out_dir": str(run_dir), "progress": False, "tensorboard": False}))
+        "out_dir": str(run_dir), "progress": False, "tensorboard": False, "device": "cpu"}))
     assert main(["train", "--config", str(train)]) == 0
     model, tokenizer = load_model(run_dir)
     assert isinstance(model, SheafStateLM) and not model.training and tokenizer.vocab_size == 256
@@ -275,7 +275,7 @@ def trained_runs(tmp_path_factory) -> dict[str, Path]:
         runs[kind] = root / kind
         train(TrainConfig(model=kind, model_config=options, site=site, corpus=str(corpus), context=32, batch_size=2,
                           steps=2, eval_every=2, eval_batches=1, checkpoint_every=2, out_dir=str(runs[kind]),
-                          num_threads=1, progress=False, tensorboard=False))
+                          num_threads=1, progress=False, tensorboard=False, device="cpu"))
     return runs
 
 

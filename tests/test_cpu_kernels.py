@@ -1,19 +1,23 @@
 """The optional C++ kernels (sheafgnn.nn.cpu_kernels) against their PyTorch references."""
+import functools
+import warnings
+
 import pytest
 import torch
+import torch.utils.cpp_extension
 
-from sheafgnn.model import SheafBlock
+from sheafgnn.model import SheafBlock, SheafStateLM
 from sheafgnn.nn import cpu_kernels
 from sheafgnn.nn.experts import FeedForward, PatchExperts, feed_forward_reference
 from sheafgnn.nn.proposals import best_blocks, content_blocks, ranked_blocks_reference
 from sheafgnn.nn.segment import sort_by_destination
 from sheafgnn.nn.sheaf import SheafConv
 from sheafgnn.nn.ssm import SelectiveSSM, SSMState
+from sheafgnn.site import build_site
 
-from .conftest import small_model_config
+from .conftest import CODE, PROSE, small_model_config
 
-block_topk = cpu_kernels.block_topk()
-needs_kernel = pytest.mark.skipif(block_topk is None, reason="the block_topk kernel is disabled or could not be built")
+needs_kernel = pytest.mark.needs("block_topk")  # skipped where it is not built; CI fails instead (conftest.py)
 
 
 def _ranges(g: torch.Generator, M: int, J: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,7 +37,7 @@ def test_block_topk_equals_the_reference(dtype, shape):
     g = torch.Generator().manual_seed(M + J)
     query, keys = torch.randn(M, r, generator=g, dtype=dtype), torch.randn(J, r, generator=g, dtype=dtype)
     first, last = _ranges(g, M, J)
-    pick = block_topk(query, keys, first, last, k)
+    pick = cpu_kernels.block_topk()(query, keys, first, last, k)
     assert pick.dtype == torch.long and pick.shape == (M, k)
     assert torch.equal(pick, ranked_blocks_reference(query, keys, first, last, k))
     size = (last.clamp(max=J) - first).clamp(min=0, max=k)  # blocks each row can have
@@ -47,17 +51,17 @@ def test_block_topk_ties_and_non_finite_scores():
     keys[4] = 2.0  # the best
     keys[1] = float("-inf")
     query = torch.ones(2, 2)
-    pick = block_topk(query, keys, torch.tensor([0, 2]), torch.tensor([6, 4]), 3)
+    pick = cpu_kernels.block_topk()(query, keys, torch.tensor([0, 2]), torch.tensor([6, 4]), 3)
     assert pick.tolist() == [[4, 0, 2], [2, 3, -1]]
 
 
 @needs_kernel
 def test_block_topk_checks_its_input():
     with pytest.raises(RuntimeError, match="expected query"):
-        block_topk(torch.randn(3, 4), torch.randn(6, 5), torch.zeros(3, dtype=torch.long),
+        cpu_kernels.block_topk()(torch.randn(3, 4), torch.randn(6, 5), torch.zeros(3, dtype=torch.long),
                    torch.ones(3, dtype=torch.long), 2)
     with pytest.raises(RuntimeError, match="k must be"):
-        block_topk(torch.randn(3, 4), torch.randn(6, 4), torch.zeros(3, dtype=torch.long),
+        cpu_kernels.block_topk()(torch.randn(3, 4), torch.randn(6, 4), torch.zeros(3, dtype=torch.long),
                    torch.ones(3, dtype=torch.long), 0)
 
 
@@ -87,8 +91,7 @@ def test_best_blocks_without_the_kernel(monkeypatch):
 # ---------------------------------------------------------------------- #
 # the generation step's kernels (csrc/step_kernels.cpp)
 # ---------------------------------------------------------------------- #
-step_kernels = cpu_kernels.ssm_step() is not None
-needs_step_kernels = pytest.mark.skipif(not step_kernels, reason="the step kernels are disabled or could not be built")
+needs_step_kernels = pytest.mark.needs("step_kernels")
 
 
 def _random_(module: torch.nn.Module, g: torch.Generator) -> torch.nn.Module:
@@ -348,3 +351,42 @@ def test_glue_diag_only_for_the_configuration_it_computes():
         assert conv._kernel(x, edge_index, None, *args[3:]) is None  # untyped edges
         assert conv._kernel(*args[:4], None) is None  # not sorted by the caller
     assert conv._kernel(*args) is None  # gradients on
+
+
+# ---------------------------------------------------------------------- #
+# a machine where the kernels cannot be built
+# ---------------------------------------------------------------------- #
+def _forward_and_stream(model: SheafStateLM, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full forward's logits and those of a stream fed one token at a time (the step kernels' rows)."""
+    with torch.no_grad():
+        stream = model.stream()
+        return model(build_site(ids, model.config.site_config)), torch.cat([stream.feed(i.view(1)) for i in ids])
+
+
+def test_a_failed_kernel_build_warns_once_and_changes_no_logit(monkeypatch, full_config):
+    """torch.utils.cpp_extension.load raises for every source (no compiler): one warning in all, whatever the
+    number of sources and calls, and the forward (content proposals: block_topk) and a stream (every step
+    kernel) give exactly the logits of the PyTorch paths (SHEAFGNN_CPU_KERNELS=0)."""
+    torch.manual_seed(0)
+    model = SheafStateLM(small_model_config(full_config, map_kind="diag", proposal_block=4, content_blocks=3)).eval()
+    ids = torch.tensor(list((PROSE + CODE).encode()))[:120]
+    monkeypatch.setenv("SHEAFGNN_CPU_KERNELS", "0")
+    reference = _forward_and_stream(model, ids)
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Error building extension: c++: command not found")
+
+    monkeypatch.setenv("SHEAFGNN_CPU_KERNELS", "1")
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
+    # Empty caches for this test; monkeypatch puts back the cached function with the kernels built so far.
+    monkeypatch.setattr(cpu_kernels, "_load", functools.cache(cpu_kernels._load.__wrapped__))
+    monkeypatch.setattr(cpu_kernels, "_failed", [])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fallback = _forward_and_stream(model, ids)
+        assert cpu_kernels.ssm_step() is None and cpu_kernels.block_topk() is None
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1 and "could not be built (RuntimeError: Error building extension: c++: command " \
+        "not found); using the PyTorch paths" in messages[0] and "pip install 'sheafgnn[kernels]'" in messages[0]
+    assert sorted(cpu_kernels._failed) == ["block_topk", "step_kernels"]  # both sources were tried, once each
+    assert all(torch.equal(a, b) for a, b in zip(fallback, reference))

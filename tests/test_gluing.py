@@ -92,7 +92,7 @@ def test_gradgradcheck():
                 [Y, transport, alpha])
 
 
-@pytest.mark.skipif(not (HAS_TORCH_SCATTER and HAS_TORCH_SPARSE), reason="needs torch-scatter and torch-sparse")
+@pytest.mark.needs("torch_scatter", "torch_sparse")
 def test_spmm_refuses_create_graph():
     """torch-sparse's backward is not differentiable: a second derivative through it raises
     instead of coming out as zeros."""

@@ -16,7 +16,7 @@ from sheafgnn.memory import (
 from sheafgnn.model import SheafStateConfig, SheafStateLM
 from sheafgnn.nn import experts as experts_module
 from sheafgnn.nn.experts import FeedForward, PatchExperts, _LeanFeedForward, feed_forward_reference
-from sheafgnn.nn.segment import HAS_TORCH_SCATTER, use_backend
+from sheafgnn.nn.segment import use_backend
 from sheafgnn.nn.topology import topk_per_group
 from sheafgnn.site import CANDIDATE_EDGES, build_site
 from sheafgnn.site.schema import GLUE_EDGES
@@ -63,7 +63,7 @@ def test_batch_equals_single_graphs(full_config):
     assert torch.allclose(batched, single, atol=1e-5)
 
 
-@pytest.mark.skipif(not HAS_TORCH_SCATTER, reason="torch-scatter not installed")
+@pytest.mark.needs("torch_scatter")
 def test_backends_agree(full_config):
     torch.manual_seed(0)
     model = SheafStateLM(_config(full_config))

@@ -20,8 +20,10 @@ from sheafgnn.nn.quant import (
     validate_quant,
 )
 from sheafgnn.nn.sheaf import SheafConv
+from sheafgnn.nn.topology import Selection
 from sheafgnn.quantized import QuantizedFileError, export_quantized, load_quantized, model_bytes
 from sheafgnn.site import build_site
+from sheafgnn.site.flat import flatten_site
 
 from .conftest import CODE, PROSE, assert_logits_causal, small_model_config
 
@@ -225,21 +227,64 @@ def test_export_load_round_trip(tmp_path, full_config, quant):
     assert all(torch.equal(files[0].get_tensor(k), files[1].get_tensor(k)) for k in files[0].keys())
 
 
-def test_int8_backend_is_close(tmp_path, full_config):
+def _recorded_choices(monkeypatch, model: SheafStateLM) -> list[Selection]:
+    """The list that each block's learned topology appends its choice to, in the model's forwards from now on."""
+    chosen = []
+
+    def recording(choose):
+        def forward(*args, **kwargs):
+            chosen.append(choose(*args, **kwargs))
+            return chosen[-1]
+        return forward
+
+    for block in model.blocks:
+        monkeypatch.setattr(block.topology, "forward", recording(block.topology.forward))
+    return chosen
+
+
+def _reached_by_flips(exact: list[Selection], approx: list[Selection], time: torch.Tensor,
+                      num_tokens: int) -> torch.Tensor:
+    """(num_tokens,) bool: the positions whose logits a different top-k choice can move. A destination whose
+    kept sources differ moves its own position in the last block; in an earlier block, the next block's scans
+    may carry it to every later position."""
+    reached = torch.zeros(num_tokens, dtype=torch.bool)
+    for block, (a, b) in enumerate(zip(exact, approx)):
+        edges_a, edges_b = set(map(tuple, a.edge_index.T.tolist())), set(map(tuple, b.edge_index.T.tolist()))
+        for t in sorted({int(time[dst]) for _, dst in edges_a ^ edges_b}):
+            reached[t if block == len(exact) - 1 else slice(t, None)] = True
+    return reached
+
+
+def test_int8_backend_is_close(monkeypatch, tmp_path, full_config):
+    """Activations quantised: close, not equal. The learned topology's top-k is a discrete choice: a near-tie can
+    flip, and the logits its choice reaches move by more than the tolerance (13 of 311 positions here, up to 3.6x
+    it). Every such miss is at a position a flipped choice reaches; the others are within the tolerance; and with
+    the reference's choices the int8 model is within it everywhere."""
     torch.manual_seed(0)
     model = SheafStateLM(_config(full_config, quant={"maps": "int8", "experts": "int8"}))
     _perturb(model)
     model.eval()
     data = build_site(CODE, model.config.site_config)
     path = export_quantized(model, tmp_path / "m.safetensors")
+    reference, int8 = load_quantized(path), load_quantized(path, backend="int8")
+    assert isinstance(int8.blocks[0].glue.map_lin, PackedLinear)
+    reference_choices, int8_choices = _recorded_choices(monkeypatch, reference), _recorded_choices(monkeypatch, int8)
     with torch.no_grad():
-        exact, approx = load_quantized(path)(data), load_quantized(path, backend="int8")(data)
-    assert isinstance(load_quantized(path, backend="int8").blocks[0].glue.map_lin, PackedLinear)
-    # Activations quantised: close, not equal. The learned topology's top-k is a discrete choice: a
-    # near-tie may flip at a position, and the next block's scan carries that to later positions
-    # (13 of 311 here); the rest stays within the tolerance.
-    close = (exact - approx).abs().amax(1) < 0.05 * exact.std()  # (num_tokens,)
-    assert close.float().mean() >= 0.9, close.float().mean()
+        exact, approx = reference(data), int8(data)
+    tol = 0.05 * exact.std()
+    error = (exact - approx).abs().amax(1)  # (num_tokens,)
+    miss = error >= tol
+    reached = _reached_by_flips(reference_choices, int8_choices, flatten_site(data).time, exact.size(0))
+    assert miss.any() and miss.float().mean() <= 0.1, miss.float().mean()  # near-ties flip here, at a few positions
+    assert not (miss & ~reached).any(), (miss & ~reached).nonzero().flatten().tolist()
+    assert error.max() < 5 * tol, error.max() / tol
+
+    replayed = iter(reference_choices)
+    for block in int8.blocks:
+        monkeypatch.setattr(block.topology, "forward", lambda *args, **kwargs: next(replayed))
+    with torch.no_grad():
+        error = (exact - int8(data)).abs().amax(1)
+    assert error.max() < tol, error.max() / tol  # the choices explain every miss
 
 
 def test_load_rejects_bad_files(tmp_path, full_config):

@@ -19,8 +19,7 @@ from sheafgnn.nn.segment import (
 )
 
 BACKENDS = ["torch"] + (["torch_scatter"] if HAS_TORCH_SCATTER else [])
-needs_scatter = pytest.mark.skipif(
-    not HAS_TORCH_SCATTER, reason="torch_scatter not installed")
+needs_scatter = pytest.mark.needs("torch_scatter")
 
 
 def loop_reduce(src, ptr, mean):

@@ -94,7 +94,7 @@ def test_stream_equals_full_forward_every_map_kind(full_config, map_kind, num_ex
     torch.testing.assert_close(streamed, _full_logits(model, ids), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.skipif(cpu_kernels.stream_pools() is None, reason="the step kernels are disabled or could not be built")
+@pytest.mark.needs("step_kernels")
 @pytest.mark.parametrize("block_summary,sink_threshold", [("mean", False), ("bounds", True)])
 def test_compete_outputs_kernel_equals_the_reference(monkeypatch, full_config, block_summary, sink_threshold):
     """Every output competition of a batch of streams (prompts of different lengths, fed in pieces, then
@@ -121,7 +121,7 @@ def test_compete_outputs_kernel_equals_the_reference(monkeypatch, full_config, b
 
 
 
-@pytest.mark.skipif(cpu_kernels.stream_keys() is None, reason="the step kernels are disabled or could not be built")
+@pytest.mark.needs("step_kernels")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_new_queries_and_keys_kernel_equals_the_reference(monkeypatch, full_config, dtype):
     """The topology's queries and keys of every delta of a batch of streams (a first feed of a few tokens, from

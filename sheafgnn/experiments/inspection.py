@@ -42,17 +42,18 @@ import json
 import math
 from pathlib import Path
 
-import networkx as nx
 import numpy as np
 import torch
 from torch import Tensor
 from torch_geometric.data import HeteroData
 
 from sheafgnn.experiments.report import pyplot, save_figure
+from sheafgnn.optional import require
 from sheafgnn.relations import dense_relations, relation_matrix, topology_graph
 from sheafgnn.site import CANDIDATE_EDGES, NODE_TYPES, ByteTokenizer, SiteConfig, build_site, validate_site
 from sheafgnn.site.schema import CONTENT_EDGE, GLUE_EDGES, EdgeType
 
+nx = require("networkx", "sheafgnn inspect")
 Topology = dict[EdgeType, dict[str, Tensor]]
 
 
@@ -334,9 +335,8 @@ def plot_arcs(topology: Topology, data: HeteroData, path, tokenizer=None, max_ar
     width the weight. At most ``max_arcs`` arcs per side (the heaviest) are
     drawn. Texts of at most 160 tokens are written along the axis.
     """
-    from matplotlib.collections import LineCollection
-
     plt = pyplot()
+    from matplotlib.collections import LineCollection  # after pyplot(), which says what to install without it
 
     n = data["token"].num_nodes
     fig, ax = plt.subplots(figsize=(min(24, 8 + n / 40), 6), dpi=120)
@@ -402,9 +402,8 @@ def plot_relations(topology: Topology, data: HeteroData, path, hops: int = 3, bi
     Returns:
         dict: ``hops``, ``relations``, ``dense``, ``fraction_of_dense``, ``per_token``.
     """
-    from matplotlib.colors import LogNorm, Normalize
-
     plt = pyplot()
+    from matplotlib.colors import LogNorm, Normalize  # after pyplot(), which says what to install without it
 
     n = data["token"].num_nodes
     matrix = relation_matrix(topology_graph(topology, data), hops)

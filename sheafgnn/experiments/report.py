@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from sheafgnn.config import ArgumentParser
+from sheafgnn.optional import require
 
 
 def report_parser(prog: str, description: str, config_class: type, default_out: str) -> argparse.ArgumentParser:
@@ -82,13 +83,13 @@ def write_report(report: dict, out: Path, name: str, text: str, figures: dict) -
 
 
 def pyplot():
-    """``matplotlib.pyplot`` on the Agg backend (writes files, needs no display), imported on first use."""
-    import matplotlib
+    """``matplotlib.pyplot`` on the Agg backend (writes files, needs no display), imported on first use.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    Raises:
+        MissingExtra: matplotlib is not installed (it is in the experiments extra).
+    """
+    require("matplotlib", "plotting").use("Agg")
+    return require("matplotlib.pyplot", "plotting")
 
 
 def save_figure(fig, path: Path, dpi: int | None = None) -> None:

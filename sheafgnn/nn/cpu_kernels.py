@@ -32,9 +32,10 @@ until any module registers a parameter, buffer or submodule.
 
 The sources are compiled by :func:`torch.utils.cpp_extension.load` (ninja and a C++ compiler: about 40 s
 once, then cached under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``) with
-``-march=native``, so the build directory is named for this CPU's instruction set. Where the build fails
-(no compiler or ninja) a warning says why and the callers run their PyTorch path; set
-``SHEAFGNN_CPU_KERNELS=0`` to use those paths always (tests compare the two).
+``-march=native``, so the build directory is named for this CPU's instruction set. Where a build fails
+(no compiler, or no ninja: ``pip install 'sheafgnn[kernels]'``) the first failure warns once, saying why, and
+the callers run their PyTorch paths, which compute the same; set ``SHEAFGNN_CPU_KERNELS=0`` to use those paths
+always (tests compare the two).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from torch import nn
 from torch.nn.modules import module as _module
 
 from sheafgnn.nn.norm_linear import fusable_norm
+from sheafgnn.optional import install_hint
 
 _SOURCES = Path(__file__).parent / "csrc"
 # The step kernels' callers use them up to this many rows (per stream): a generation step's. Above, MKL's matmuls
@@ -77,6 +79,9 @@ def _cpu_tag() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:8]
 
 
+_failed: list[str] = []  # sources whose build failed in this process; the first failure warns, the rest are silent
+
+
 @functools.cache
 def _load(name: str):
     from torch.utils.cpp_extension import load
@@ -85,9 +90,13 @@ def _load(name: str):
         return load(name=f"sheafgnn_{name}_{_cpu_tag()}", sources=[str(_SOURCES / f"{name}.cpp")],
                     extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as err:  # no compiler, no ninja, a failed build: the PyTorch path is used instead
-        warnings.warn(f"sheafgnn: the C++ kernel {name!r} could not be built ({type(err).__name__}: "
-                      f"{str(err).strip().splitlines()[-1] if str(err).strip() else ''}); using the PyTorch path. "
-                      "Set SHEAFGNN_CPU_KERNELS=0 to skip the build.", RuntimeWarning, stacklevel=3)
+        if not _failed:  # another source fails for the same reason: one warning says it
+            warnings.warn(f"sheafgnn: the C++ kernel {name!r} could not be built ({type(err).__name__}: "
+                          f"{str(err).strip().splitlines()[-1] if str(err).strip() else ''}); using the PyTorch "
+                          f"paths, which compute the same. Install a C++ compiler and ninja "
+                          f"({install_hint('ninja')}), or set SHEAFGNN_CPU_KERNELS=0 to skip the build.",
+                          RuntimeWarning, stacklevel=3)
+        _failed.append(name)
         return None
 
 

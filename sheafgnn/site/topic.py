@@ -17,9 +17,15 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
-from sklearn.cluster import MiniBatchKMeans
-from sklearn.feature_extraction.text import HashingVectorizer
 from torch import Tensor
+
+from sheafgnn.optional import missing
+
+try:  # scikit-learn is in the experiments extra: without it TopicModel raises MissingExtra when used
+    from sklearn.cluster import MiniBatchKMeans
+    from sklearn.feature_extraction.text import HashingVectorizer
+except ImportError:
+    MiniBatchKMeans = HashingVectorizer = missing("sklearn", "TopicModel (topic patches)")
 
 
 class TopicModel:
