@@ -18,6 +18,7 @@ from sheafgnn.experiments.compare import (
     speed_ratios,
     sweep_one,
 )
+from sheafgnn.experiments.recurrence import bucket_names
 from sheafgnn.lm import MODEL_KINDS, matched_options
 from sheafgnn.memory import PeakMemory, heap_stats, resident_bytes
 
@@ -129,12 +130,14 @@ def test_run_compare_quick(corpus, tmp_path):
         assert r["train_windows_loss"] > 0 and r["validation_windows_loss"] > 0
         assert abs(r["params"] - report["params"]["target"]) <= 0.1 * report["params"]["target"]
         assert [p["n"] for p in report["sweep"][kind]] == [32, 64]
+        assert r["by_distance"]["all"]["tokens"] == sum(r["by_distance"][b]["tokens"] for b in bucket_names())
     for name in ("compare.json", "compare.md", "training.png", "curves.png", "sweep.png"):
         assert (tmp_path / name).stat().st_size > 0
     saved = json.loads((tmp_path / "compare.json").read_text())
     assert saved["caps"] == {"time_cap_s": 30.0, "memory_cap_gb": 8.0}
     text = (tmp_path / "compare.md").read_text()
     assert "| sheaf |" in text and "Caps, the same for every model" in text and "VmHWM" in text
+    assert "by the distance to the previous occurrence" in text
     assert markdown(report).startswith("# sheafgnn compare")
 
 

@@ -57,6 +57,7 @@ from tqdm import tqdm
 
 from sheafgnn.config import ConfigFile
 from sheafgnn.data import WindowDataset, scored_batches, train_validation_text
+from sheafgnn.experiments.recurrence import bucket_names, loss_by_distance
 from sheafgnn.experiments.report import config_from_args, pyplot, report_parser, run_report_command, write_report
 from sheafgnn.lm import MODEL_KINDS, build_model, matched_options, print_parameter_counts
 from sheafgnn.memory import PeakMemory, tune_cpu_process
@@ -256,7 +257,9 @@ def train_one(config: CompareConfig, kind: str, options: dict, lr: float | None 
             **{f"{split}_windows_loss": _spread_loss(model, windows[split], tokenizer, config, device)
                for split in windows},
             **mem.as_dict("train_"), **_inference(model, windows["validation"], config, device),
-            "memory_method": mem.method, "options": options, "curve": _validation_curve(out / "metrics.csv")}
+            "memory_method": mem.method, "options": options, "curve": _validation_curve(out / "metrics.csv"),
+            "by_distance": loss_by_distance(model, windows["validation"], config.batch_size,
+                                            config.eval_batches * config.batch_size, device)}
 
 
 def lr_sweep_one(config: CompareConfig, kind: str, options: dict) -> list[dict]:
@@ -420,6 +423,23 @@ def _mib(value) -> str:
     return "-" if value is None else f"{value / MIB:,.0f}"
 
 
+def _by_distance_table(training: dict, cfg: dict) -> list[str]:
+    """Validation bits per token by the distance to the previous occurrence of each position's 4-gram
+    (:mod:`sheafgnn.experiments.recurrence`), a column per model."""
+    kinds = [k for k, r in training.items() if "by_distance" in r]
+    if not kinds:
+        return []
+    lines = ["", f"## Where the models differ: validation bits per token by the distance to the previous "
+             f"occurrence of the context's last 4 tokens ({cfg['eval_batches'] * cfg['batch_size']} windows)", "",
+             "| distance (tokens) | positions | " + " | ".join(kinds) + " |", "|---|---:|" + "---:|" * len(kinds)]
+    for name in [*bucket_names(), "all"]:
+        first = training[kinds[0]]["by_distance"][name]
+        cells = [training[k]["by_distance"][name]["bits_per_token"] for k in kinds]
+        lines.append(f"| {name} | {first['tokens']:,} | "
+                     + " | ".join("-" if c is None else f"{c:.4f}" for c in cells) + " |")
+    return lines
+
+
 def markdown(report: dict) -> str:
     """The report as Markdown: training table, sweep table, ratios, caps and method."""
     training, sweep, caps = report["training"], report["sweep"], report["caps"]
@@ -453,6 +473,7 @@ def markdown(report: dict) -> str:
                   "|---|" + "---:|" * len(rates)]
         for kind, rows in report["lr_sweep"].items():
             lines.append(f"| {kind} | " + " | ".join(f"{row['val_bpb']:.4f}" for row in rows) + " |")
+    lines += _by_distance_table(training, cfg)
     kinds = list(sweep)
     lines += ["", "## Context sweep: one window, site build + forward + backward", "",
               "Forward+backward seconds / peak extra MiB (site build seconds in brackets).", "",

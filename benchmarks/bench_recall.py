@@ -1,0 +1,262 @@
+"""Recall as the field measures it: MQAR and a scattered layout, every seed, a learning-rate sweep per model.
+
+One default sheaf model (the default ``SheafStateConfig``; only the vocabulary, the length and the width come
+from the task), hash retrieval off, against attention with the short conv every Zoology baseline has
+(``dense_conv``), plain attention (``dense``) and the sheaf model's own ssm ablation (``ssm``), each at the
+parameter count of the sheaf model (``sheafgnn.lm.matched_options``). Fresh rows every step, vocabulary 1,024,
+batches of 32 rows, at most 3,000 steps, tested every 100 steps on 64 held-out rows and stopped at 0.99
+(Zoology's early stop)::
+
+    sweep      MQAR (128, 8), seed 0, each model at the 3 rates of RATES; a best rate at an edge of the sweep
+               widens it by one rate on that side (up to WIDEN times); the best trains every run after
+    sizes      MQAR (128, 8), (256, 16) and (512, 32), seeds 0-2; (256, 16) is also tested at 1,024 and 4,096
+               tokens with the same pair density (length generalisation)
+    scattered  scattered_recall (256, 16), seeds 0-2: binds anywhere in the row, queries at random distances
+    induction  induction heads trained at 256 tokens, tested at 256, 1k, 4k and 16k, seeds 0-2
+    identity   the sheaf model with restriction maps fixed to the identity, orthogonal and general, on MQAR
+               (256, 16), seeds 0-2 (diag, the default, is the sizes stage's)
+
+Every run is one ``sheafgnn tasks`` process (one model, task, seed and rate; one thread) whose report lands in
+``<out>/runs/<name>/tasks.json``; a run whose report exists is not run again, so the stages resume where they
+stopped. ``--jobs`` runs go at once (2 on a 2-core machine: the times of concurrent runs share it).
+
+Usage::
+
+    python benchmarks/bench_recall.py [--stages sweep sizes ...] [--models sheaf dense_conv ...] [--jobs 2]
+        [--out benchmarks/results/recall] [--quick]
+    -> <out>/summary.json (rows: task, seq_len, pairs, vocab, model, map_kind, seed, lr, hash_retrieval,
+       accuracy, steps, seconds), <out>/recall.md, <out>/recall.png (accuracy against steps, every run drawn)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from sheafgnn.experiments.report import pyplot, save_figure, write_json
+
+MODELS = ("sheaf", "dense_conv", "dense", "ssm")
+RATES = {"sheaf": (3e-4, 1e-3, 3e-3), "dense_conv": (1e-3, 3e-3, 1e-2), "dense": (1e-3, 3e-3, 1e-2),
+         "ssm": (1e-3, 3e-3, 1e-2)}
+WIDEN = 2  # extra rates a sweep may add on the side of its best
+SEEDS = (0, 1, 2)
+STAGES = ("sweep", "sizes", "scattered", "induction", "identity")
+BUDGET = {"steps": 3000, "batch_size": 32, "eval_every": 100, "stop_accuracy": 0.99, "test_examples": 64,
+          "warmup_steps": 50, "d_model": 64, "n_layers": 2, "n_heads": 2}
+QUICK = {"steps": 4, "batch_size": 4, "eval_every": 2, "stop_accuracy": 0.99, "test_examples": 4, "warmup_steps": 1,
+         "d_model": 64, "n_layers": 2, "n_heads": 2}
+VOCAB = 1024
+MQAR_SIZES = ((128, 8), (256, 16), (512, 32))
+SCATTERED = (256, 16)
+INDUCTION_LENGTHS = (256, 1024, 4096, 16384)  # trained at the first
+LENGTHS = (1024, 4096)  # MQAR (256, 16) also tested here, at its pair density
+# --quick: toy sizes that check the plumbing in a few minutes
+QUICK_SIZES = {"vocab": 64, "mqar": ((32, 2), (64, 4), (128, 8)), "scattered": (48, 4), "induction": (32, 64),
+               "lengths": ()}
+SIZES = {"vocab": VOCAB, "mqar": MQAR_SIZES, "scattered": SCATTERED, "induction": INDUCTION_LENGTHS,
+         "lengths": LENGTHS}
+SUMMARY = ("task", "seq_len", "pairs", "vocab", "model", "map_kind", "seed", "lr", "hash_retrieval", "accuracy",
+           "steps", "seconds")
+
+
+def task_flags(task: str, seq_len: int, pairs: int | None, sizes: dict) -> list[str]:
+    """The ``sheafgnn tasks`` flags of one task at one size (``sizes``: :data:`SIZES` or :data:`QUICK_SIZES`)."""
+    vocab = str(sizes["vocab"])
+    if task == "mqar":
+        tests = sizes["lengths"] if seq_len == sizes["mqar"][1][0] else ()
+        return ["--tasks", "mqar", "--mqar-seq-len", str(seq_len), "--mqar-pairs", str(pairs), "--mqar-vocab",
+                vocab] + (["--mqar-test-lens", *map(str, tests)] if tests else [])
+    if task == "scattered_recall":
+        return ["--tasks", "scattered_recall", "--scatter-seq-len", str(seq_len), "--scatter-pairs", str(pairs),
+                "--mqar-vocab", vocab]
+    lengths = sizes["induction"]
+    return ["--tasks", "induction_heads", "--induction-train-len", str(lengths[0]), "--induction-test-lens",
+            *map(str, lengths)]
+
+
+def run_name(task: str, seq_len: int, model: str, lr: float, seed: int, map_kind: str = "diag") -> str:
+    maps = "" if map_kind == "diag" else f"_{map_kind}"
+    return f"{task}{seq_len}_{model}{maps}_lr{lr:g}_s{seed}"
+
+
+def run(out: Path, name: str, flags: list[str], budget: dict) -> dict:
+    """One ``sheafgnn tasks`` process (unless its report exists): its tasks.json."""
+    report = out / "runs" / name / "tasks.json"
+    if not report.exists():
+        log = out / "runs" / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        args = [sys.executable, "-m", "sheafgnn.cli", "tasks", "--out", str(report.parent), "--num-threads", "1",
+                "--no-progress", *flags]
+        for key, value in budget.items():
+            args += [f"--{key.replace('_', '-')}", str(value)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        with open(log, "w") as f:
+            done = subprocess.run(args, stdout=f, stderr=subprocess.STDOUT, env=env)
+        if done.returncode:
+            raise RuntimeError(f"bench_recall: run {name} failed (exit {done.returncode}); see {log}")
+        print(f"  done {name}: {log.read_text().splitlines()[-1] if log.stat().st_size else ''}", flush=True)
+    return json.loads(report.read_text())
+
+
+def runs_at_once(out: Path, jobs: int, specs: list[tuple[str, list[str]]], budget: dict) -> dict[str, dict]:
+    """Each (name, flags) of ``specs``, ``jobs`` at a time: name -> its report."""
+    with ThreadPoolExecutor(jobs) as pool:
+        reports = pool.map(lambda spec: run(out, *spec, budget), specs)
+        return dict(zip([name for name, _ in specs], reports))
+
+
+def final_accuracy(report: dict) -> tuple[float, int]:
+    """(accuracy at the training length, steps trained) of a one-model, one-task report."""
+    (task,) = report["tasks"].values()
+    (model,) = task["models"].values()
+    return model["accuracy"][str(task["train_len"])], model["steps"]
+
+
+def sweep(out: Path, models: tuple[str, ...], jobs: int, budget: dict, sizes: dict) -> dict[str, float]:
+    """Each model's best rate on the first MQAR size at seed 0 (most accurate, then fewest steps), widened at an
+    edge."""
+    seq_len, pairs = sizes["mqar"][0]
+    flags = task_flags("mqar", seq_len, pairs, sizes)
+    rates = {m: list(RATES[m]) for m in models}
+    best = {}
+    for _ in range(WIDEN + 1):
+        specs = [(run_name("mqar", seq_len, m, lr, 0), flags + ["--models", m, "--lr", f"{lr:g}", "--seed", "0"])
+                 for m in models if m not in best for lr in rates[m]]
+        reports = runs_at_once(out, jobs, specs, budget)
+        for m in [m for m in models if m not in best]:
+            scores = {lr: final_accuracy(reports[run_name("mqar", seq_len, m, lr, 0)]) for lr in rates[m]}
+            top = max(rates[m], key=lambda lr: (scores[lr][0], -scores[lr][1]))
+            edge = rates[m].index(top) in (0, len(rates[m]) - 1) and len(set(scores.values())) > 1
+            if not edge or len(rates[m]) >= len(RATES[m]) + WIDEN:
+                best[m] = top
+            else:  # widen on the side of the best by the sweep's own ratio (rounded: 1e-3 / 3 -> 3e-4)
+                ratio = rates[m][1] / rates[m][0]
+                new = float(f"{(rates[m][0] / ratio if top == rates[m][0] else rates[m][-1] * ratio):.1g}")
+                rates[m].insert(0, new) if top == rates[m][0] else rates[m].append(new)
+        if len(best) == len(models):
+            break
+    write_json(out / "rates.json", {"best": best, "swept": rates})
+    return best
+
+
+def stage_specs(stage: str, models: tuple[str, ...], best: dict[str, float], sizes: dict) -> list[tuple[str, list]]:
+    """The runs of a stage after the sweep: (name, flags)."""
+    specs = []
+    if stage == "identity":
+        n, pairs = sizes["mqar"][1]
+        for map_kind in ("identity", "orthogonal", "general"):
+            for seed in SEEDS:
+                flags = task_flags("mqar", n, pairs, sizes) + ["--models", "sheaf", "--lr", f"{best['sheaf']:g}",
+                                                               "--seed", str(seed), "--sheaf",
+                                                               json.dumps({"map_kind": map_kind})]
+                specs.append((run_name("mqar", n, "sheaf", best["sheaf"], seed, map_kind), flags))
+        return specs
+    runs = {"sizes": [("mqar", n, p) for n, p in sizes["mqar"]],
+            "scattered": [("scattered_recall", *sizes["scattered"])],
+            "induction": [("induction_heads", sizes["induction"][0], None)]}[stage]
+    for task, n, pairs in runs:
+        for model in models:
+            for seed in SEEDS:
+                flags = task_flags(task, n, pairs, sizes) + ["--models", model, "--lr", f"{best[model]:g}",
+                                                             "--seed", str(seed)]
+                specs.append((run_name(task, n, model, best[model], seed), flags))
+    return specs
+
+
+def summary_rows(out: Path) -> list[dict]:
+    """Every finished run's rows (one per test length) with the fields of :data:`SUMMARY`."""
+    rows = []
+    for report in sorted((out / "runs").glob("*/tasks.json")):
+        for row in json.loads(report.read_text())["summary"]:
+            rows.append({k: row.get(k) for k in SUMMARY} | {"map_kind": row.get("map_kind") or "-",
+                                                            "run": report.parent.name})
+    return rows
+
+
+def curves(out: Path) -> dict:
+    """The accuracy-against-steps figure: a panel per task and training length, every run drawn."""
+    plt = pyplot()
+    runs = {}
+    for report in sorted((out / "runs").glob("*/tasks.json")):
+        data = json.loads(report.read_text())
+        for task, r in data["tasks"].items():
+            for model, m in r["models"].items():
+                kind = model if data["config"]["sheaf"].get("map_kind", "diag") == "diag" or model != "sheaf" \
+                    else f"sheaf {data['config']['sheaf']['map_kind']}"
+                runs.setdefault((task, r["train_len"]), []).append((kind, data["config"]["seed"], m["curve"]))
+    if not runs:
+        return {}
+    panels = sorted(runs)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    colors = {}
+    for ax, key in zip(axes[0], panels):
+        for kind, seed, curve in runs[key]:
+            color = colors.setdefault(kind, f"C{len(colors)}")
+            ax.plot([0] + [p["step"] for p in curve], [0.0] + [p["accuracy"] for p in curve], color=color,
+                    linestyle=("-", "--", ":")[seed % 3], label=f"{kind} seed {seed}", linewidth=1.2)
+        ax.set_title(f"{key[0]} @{key[1]}")
+        ax.set_xlabel("steps (32 rows each)")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("accuracy (held-out rows)")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    fig.legend(unique.values(), unique.keys(), fontsize=7, loc="lower center", ncol=min(6, len(unique)))
+    fig.subplots_adjust(bottom=0.3)
+    return {"recall.png": fig}
+
+
+def markdown(rows: list[dict], rates: dict) -> str:
+    """A table per task and training length: accuracy (steps) per model and seed."""
+    lines = ["# Recall (benchmarks/bench_recall.py)", "",
+             f"Budget per run: {BUDGET['steps']} steps of {BUDGET['batch_size']} fresh rows, early stop at "
+             f"{BUDGET['stop_accuracy']}, vocabulary {VOCAB}, hash retrieval off. Rates: {json.dumps(rates)}.", ""]
+    by_task = {}
+    for row in rows:
+        by_task.setdefault((row["task"], row["seq_len"], row["pairs"]), []).append(row)
+    for (task, n, pairs), group in sorted(by_task.items()):
+        lines += [f"## {task} at {n} tokens" + (f", {pairs} pairs" if pairs else ""), "",
+                  "| model | maps | lr | seed | accuracy | steps | seconds |", "|---|---|---:|---:|---:|---:|---:|"]
+        for r in sorted(group, key=lambda r: (r["model"], r["map_kind"], r["lr"], r["seed"])):
+            lines.append(f"| {r['model']} | {r['map_kind']} | {r['lr']:g} | {r['seed']} | {r['accuracy']:.4f} | "
+                         f"{r['steps']} | {r['seconds']:.0f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", nargs="+", default=list(STAGES), choices=STAGES)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--out", default="benchmarks/results/recall")
+    parser.add_argument("--quick", action="store_true", help="toy sizes that run in seconds")
+    args = parser.parse_args(argv)
+    out, models = Path(args.out), tuple(args.models)
+    budget, sizes = (QUICK, QUICK_SIZES) if args.quick else (BUDGET, SIZES)
+    out.mkdir(parents=True, exist_ok=True)
+    # Every later stage trains at the sweep's rates (its runs are reused once done); identity needs sheaf's.
+    swept = models if "sheaf" in models or "identity" not in args.stages else ("sheaf", *models)
+    print("== sweep ==", flush=True)
+    best = sweep(out, swept, args.jobs, budget, sizes)
+    for stage in [s for s in args.stages if s != "sweep"]:
+        print(f"== {stage} ==", flush=True)
+        runs_at_once(out, args.jobs, stage_specs(stage, models, best, sizes), budget)
+    rows = summary_rows(out)
+    write_json(out / "summary.json", rows)
+    text = markdown(rows, best)
+    for name, fig in curves(out).items():
+        save_figure(fig, out / name, dpi=120)
+        text += f"\n![{name}]({name})\n"
+    (out / "recall.md").write_text(text)
+    print(f"wrote {out / 'summary.json'}, {out / 'recall.md'}, {out / 'recall.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
