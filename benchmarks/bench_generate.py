@@ -33,7 +33,8 @@ rounds in turn with the models there, and the 32k / 1k ratio divides sheaf's
 32k latency by that stream's in the same rounds. The 1k and 32k points
 themselves are minutes apart, and on this machine a slow phase at one of them
 alone moved their ratio from 0.80 to 1.71 over four runs of similar code
-(sessions 22-23); their ratio is still reported
+(``generate.json`` at 91f1d25 and dcf390e, ``generate_runs/run_c`` at ab07908,
+``generate_runs/s23_before_tail`` at 00152d5); their ratio is still reported
 (``sheaf_latency_32k_over_1k_separate_points``).
 
 Usage::
