@@ -1,5 +1,6 @@
 """The `sheafgnn` command: build, the shipped configs, --set overrides, inspect, one-line errors."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -344,3 +345,19 @@ def test_write_tokens_decodes_characters_split_across_tokens():
     write_tokens((torch.tensor([b]) for b in data), ByteTokenizer(), out)
     assert out.getvalue() == "é€a\ufffd!"
     assert out.flushes[:6] == ["", "é", "é", "é", "é€", "é€a"]  # each token flushed as it arrives
+
+
+def test_demo_compares_and_says_which_model_is_ahead(tmp_path, capsys, monkeypatch):
+    """The demo at toy sizes: site statistics, a comparison of the default models, and a verdict that names the
+    model ahead at its budget and where the long comparison stands (here: absent)."""
+    from sheafgnn import cli
+
+    monkeypatch.setattr(cli, "LONG_RESULT", tmp_path / "absent.json")
+    assert main(["demo", "--out", str(tmp_path), "--context", "64", "--tokens", "128", "--quick", "--in-process",
+                 "--num-threads", "1"]) == 0
+    verdict = (tmp_path / "verdict.md").read_text()
+    report = json.loads((tmp_path / "compare" / "compare.json").read_text())
+    best = min(report["training"], key=lambda kind: report["training"][kind]["val_bpb"])
+    assert f"**{best}**" in verdict and "tokens per model, the demo's budget" in verdict
+    assert "not in this checkout" in verdict and (tmp_path / "site_stats.json").exists()
+    assert set(report["training"]) == {"sheaf", "dense_conv", "local_conv", "ssm"}

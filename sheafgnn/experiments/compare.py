@@ -419,6 +419,14 @@ def run_compare(config: CompareConfig) -> dict:
     return report
 
 
+def standing(training: dict) -> str:
+    """One line: the models from the lowest validation bits per byte up, each with its gap to the first."""
+    ranked = sorted(training.items(), key=lambda item: item[1]["val_bpb"])
+    best = ranked[0][1]["val_bpb"]
+    rest = ", ".join(f"{kind} {r['val_bpb']:.4f} (+{r['val_bpb'] - best:.4f})" for kind, r in ranked[1:])
+    return f"Ahead at this budget: **{ranked[0][0]}** ({best:.4f} bits/byte)" + (f"; then {rest}." if rest else ".")
+
+
 def _mib(value) -> str:
     return "-" if value is None else f"{value / MIB:,.0f}"
 
@@ -460,7 +468,8 @@ def markdown(report: dict) -> str:
                      f"| {r['train_tokens_per_s']:,.0f} | {r['infer_tokens_per_s']:,.0f} "
                      f"| {r['infer_tokens_per_s_with_site']:,.0f} | {_mib(peak)} "
                      f"| {_mib(r['train_peak_extra_bytes'])} |")
-    lines += ["", "The training objective is what the optimizer minimised: for sheaf, the next-token loss plus "
+    lines += ["", standing(training), "",
+              "The training objective is what the optimizer minimised: for sheaf, the next-token loss plus "
               "its auxiliary losses (each block's pool read, the experts' balance), so it is not comparable "
               "with a validation loss. The loss on train / val windows is one measure for both texts: the "
               f"trained model's next-token loss on {cfg['eval_batches'] * cfg['batch_size']} windows spread evenly "
