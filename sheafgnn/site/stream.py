@@ -25,7 +25,7 @@ byte once and keeps only what an open patch needs:
 - indentation: the current line's start and indent, the previous line's
   indent, and the stack of pending openers (each popped once).
 - instructions: the current line's start and its first max(len(cue)) bytes.
-- memory: the open word's start, length and hash (``rules._WORD_HASH``).
+- memory: the open word's start, length and hash (``rules.WORD_HASH``).
 
 Per token: local windows and workspace registers close every
 ``local_window`` tokens; retrieval keeps the last ``retrieval_key_len`` ids.
@@ -83,18 +83,13 @@ from sheafgnn.site.schema import (
 from sheafgnn.site.tokenizer import ByteTokenizer
 from sheafgnn.site.topic import TopicModel
 
-
-def _byte_set(mask: Tensor) -> frozenset[int]:
-    return frozenset(torch.nonzero(mask).squeeze(1).tolist())
-
-
-_SPACE = _byte_set(rules._SPACE)
-_WORD = _byte_set(rules._WORD)
-_STOP = _byte_set(rules._STOP)
-_KIND = {**rules._OPEN, **{byte: -k for byte, k in rules._CLOSE.items()}}  # open > 0, close < 0
-_QUOTES = frozenset(rules._QUOTES)
-_NEWLINE = rules._NEWLINE
-_WORD_HASH = rules._WORD_HASH.tolist()
+_SPACE = rules.byte_set(rules.SPACE)
+_WORD = rules.byte_set(rules.WORD)
+_STOP = rules.byte_set(rules.STOP)
+_KIND = {**rules.OPEN, **{byte: -k for byte, k in rules.CLOSE.items()}}  # open > 0, close < 0
+_QUOTES = frozenset(rules.QUOTES)
+_NEWLINE = rules.NEWLINE
+_WORD_HASH = rules.WORD_HASH.tolist()
 
 Closed = list[tuple]  # closed spans (start token, end token exclusive, extra...)
 _NONE = torch.zeros(0, dtype=torch.long)  # no new nodes: shared, never written (a push of one token mostly has none)
