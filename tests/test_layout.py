@@ -100,14 +100,19 @@ def test_modules_and_functions_are_small():
     assert not long_functions, f"functions over {MAX_FUNCTION_LINES} lines: {long_functions}"
 
 
-def test_the_check_sees_a_planted_cycle(tmp_path, monkeypatch):
-    """The cycle check is not vacuous: two modules importing each other inside functions are found."""
+def plant(tmp_path: Path, monkeypatch, modules: dict[str, str]) -> None:
+    """Make the checks read a package ``sheafgnn`` of ``modules`` (name -> source) under ``tmp_path``."""
     package = tmp_path / "sheafgnn"
     package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "a.py").write_text("def f():\n    from sheafgnn import b\n")
-    (package / "b.py").write_text("def g():\n    import sheafgnn.a\n")
+    for name, source in {"__init__": "", **modules}.items():
+        (package / f"{name}.py").write_text(source)
     monkeypatch.setitem(globals(), "PACKAGE", package)
+
+
+def test_the_check_sees_a_planted_cycle(tmp_path, monkeypatch):
+    """The cycle check is not vacuous: two modules importing each other inside functions are found."""
+    plant(tmp_path, monkeypatch, {"a": "def f():\n    from sheafgnn import b\n",
+                                  "b": "def g():\n    import sheafgnn.a\n"})
     assert [set(c) for c in nx.simple_cycles(import_graph())] == [{"sheafgnn.a", "sheafgnn.b"}]
 
 
@@ -161,14 +166,12 @@ def test_no_module_takes_a_private_name_from_another():
 
 
 def test_the_check_sees_planted_private_imports(tmp_path, monkeypatch):
-    package = tmp_path / "sheafgnn"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "a.py").write_text("_X = 1\n\n\ndef _f():\n    return _X\n")
-    (package / "b.py").write_text("from sheafgnn.a import _X\n")
-    (package / "c.py").write_text("from sheafgnn import a\nimport sheafgnn.a\n\n\ndef g():\n"
-                                  "    return a._f(), sheafgnn.a._X\n")
-    monkeypatch.setitem(globals(), "PACKAGE", package)
+    """The private-name check is not vacuous: an import of one, and lookups on an imported module, are found."""
+    plant(tmp_path, monkeypatch, {
+        "a": "_X = 1\n\n\ndef _f():\n    return _X\n",
+        "b": "from sheafgnn.a import _X\n",
+        "c": "from sheafgnn import a\nimport sheafgnn.a\n\n\ndef g():\n    return a._f(), sheafgnn.a._X\n",
+    })
     assert private_imports() == {("sheafgnn.b", "sheafgnn.a._X"), ("sheafgnn.c", "sheafgnn.a._f"),
                                  ("sheafgnn.c", "sheafgnn.a._X")}
 

@@ -41,7 +41,7 @@ class Topic(PatchRule):
     config = TopicConfig
     covered = True
     links = (_SAME_TOPIC,)
-    attribute = "topic"
+    attribute = "topic"  # the topic id of the sentence
 
     def spans(self, window: Window, config) -> Patches:
         if window.topic_model is None:

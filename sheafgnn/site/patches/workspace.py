@@ -27,7 +27,7 @@ class Workspace(PatchRule):
     config = WorkspaceConfig
     chained = True
     links = (_WRITES,)
-    attribute = "register"
+    attribute = "register"  # the register's index in its window, 0 .. workspace_registers - 1
 
     def chain_lag(self, config) -> int:
         return config.workspace_registers  # register r of the window before
