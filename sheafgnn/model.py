@@ -6,7 +6,7 @@ Each symbol of M and the code that implements it:
 symbol  meaning                                          file: function or class
 ======  ===============================================  =================================================
 C, J    the site: typed patches and which cover which    sheafgnn/site/builder.py: ``build_site``;
-                                                         types and rules in sheafgnn/site/schema.py
+                                                         a file per patch type in sheafgnn/site/patches/
 F       stalks: d stalk dims x f channels on each node   sheafgnn/nn/sheaf.py: ``SheafConv``
                                                          (``stalk_dim`` d, ``channels`` f)
 Phi     selective SSM along each chain of states         sheafgnn/nn/ssm.py: ``SelectiveSSM``

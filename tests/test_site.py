@@ -1,6 +1,6 @@
 import random
 import re
-from dataclasses import fields
+from dataclasses import dataclass, fields
 
 import pytest
 import torch
@@ -23,8 +23,8 @@ from sheafgnn.site import (
     validate_site,
 )
 from sheafgnn.site.flat import FLAT_TYPES
-from sheafgnn.site.patches import RULES
-from sheafgnn.site.schema import GLUE_EDGES, NODE_ATTRIBUTES
+from sheafgnn.site.patches import RULES, PatchRule
+from sheafgnn.site.schema import GLUE_EDGES, NODE_ATTRIBUTES, config_bases
 
 from .conftest import CODE, PROSE
 
@@ -52,6 +52,18 @@ def test_the_registry_keeps_the_schema_order():
                                                                      ("token", "explores", "output")])
     assert FLAT_TYPES == ("token", *chained, "topic", "memory", "retrieval", "output")
     assert NODE_ATTRIBUTES == {"topic": "topic", "workspace": "register"}
+
+
+def test_two_types_cannot_share_a_config_field():
+    @dataclass
+    class Window:
+        local_window: int = 3
+
+    class Lines(PatchRule):
+        name, config_fields = "lines", Window
+
+    with pytest.raises(TypeError, match="patch type 'lines' declares the field 'local_window' of 'local'"):
+        config_bases({**RULES, "lines": Lines()})
 
 
 def test_site_config_fields_are_the_patch_types_fields(tmp_path):

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from sheafgnn.config import ConfigFile
 from sheafgnn.site.patches import RULES
-from sheafgnn.site.patches.rule import EdgeType
+from sheafgnn.site.patches.rule import EdgeType, PatchRule
 
 PATCH_TYPES: tuple[str, ...] = tuple(RULES)
 PatchType = enum.StrEnum("PatchType", [(p.upper(), p) for p in PATCH_TYPES])
@@ -45,7 +45,7 @@ CHAINED_TYPES = tuple(p for p, rule in RULES.items() if rule.chained)
 # Patch types that anchor ('anchors') the anchored types' patches.
 ANCHORING_TYPES = tuple(p for p, rule in RULES.items() if rule.anchors)
 ANCHORED_TYPES = tuple(p for p, rule in RULES.items() if rule.anchored)
-# Every node type but output feeds the readout ('reads').
+# The node types whose latest nodes every output reads ('reads'): token and every patch type but output.
 READ_TYPES = ("token",) + tuple(p for p, rule in RULES.items() if rule.read)
 # The per-node attribute of each patch type that has one (the model embeds it).
 NODE_ATTRIBUTES: dict[str, str] = {p: rule.attribute for p, rule in RULES.items() if rule.attribute is not None}
@@ -73,13 +73,20 @@ class _Switches:
     patch_types: tuple[str, ...] = DEFAULT_PATCH_TYPES  # switched-on types; output is always on
 
 
-# A dataclass collects its bases' fields from the last base to the first: SiteConfig's fields are
-# patch_types, then every patch type's config fields in type order, then extra.
-_TYPE_CONFIGS = tuple(rule.config for rule in reversed(RULES.values()) if rule.config is not None)
+def config_bases(rules: dict[str, PatchRule]) -> tuple[type, ...]:
+    """The patch types' config dataclasses, last type first: a dataclass collects its bases' fields from the
+    last base to the first, so SiteConfig's fields are patch_types, every type's in type order, then extra."""
+    owner = {"patch_types": "SiteConfig", "extra": "SiteConfig"}
+    for p, rule in rules.items():
+        for f in fields(rule.config_fields) if rule.config_fields is not None else ():
+            if f.name in owner:  # one would silently replace the other
+                raise TypeError(f"SiteConfig: patch type {p!r} declares the field {f.name!r} of {owner[f.name]!r}")
+            owner[f.name] = p
+    return tuple(rule.config_fields for rule in reversed(rules.values()) if rule.config_fields is not None)
 
 
 @dataclass
-class SiteConfig(ConfigFile, *_TYPE_CONFIGS, _Switches):
+class SiteConfig(ConfigFile, *config_bases(RULES), _Switches):
     """How text becomes a site. Every rule can be switched off or tuned.
 
     The fields are ``patch_types``, every patch type's own (``local_window``, ...;

@@ -27,7 +27,7 @@ class LineConfig:
 
 class Line(PatchRule):
     name = "line"
-    config = LineConfig
+    config_fields = LineConfig
     covered = chained = True
     attribute = "indent"  # white-space bytes before the line's first other byte, at most line_max_indent
 

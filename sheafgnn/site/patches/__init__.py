@@ -10,9 +10,9 @@ subclass. The rule declares:
   outputs read its latest :meth:`~PatchRule.read_count` patches), ``links`` (the
   link edge types it makes), ``attribute`` (a per-node id the model embeds,
   :meth:`~PatchRule.attribute_rows` values), ``on_by_default``, ``always_on``;
-- its **config fields**: ``config``, a dataclass whose fields are named for the
-  type (``local_window``); :class:`~sheafgnn.site.SiteConfig` is built from every
-  type's, so they are flat keys of it (``site.local_window`` in YAML) and
+- its **config fields**: ``config_fields``, a dataclass whose fields are named for
+  the type (``local_window``); :class:`~sheafgnn.site.SiteConfig` is built from
+  every type's, so they are flat keys of it (``site.local_window`` in YAML), and
   :func:`~sheafgnn.site.patches.rule.integer` fields are checked;
 - its **vectorised spans** (:meth:`~PatchRule.spans`): the patches of a whole
   :class:`~sheafgnn.site.patches.rule.Window` with tensor ops, for build_site;

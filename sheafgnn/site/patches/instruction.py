@@ -28,7 +28,7 @@ class InstructionConfig:
 
 class Instruction(PatchRule):
     name = "instruction"
-    config = InstructionConfig
+    config_fields = InstructionConfig
     covered = chained = anchors = True
 
     def spans(self, window: Window, config) -> Patches:

@@ -19,7 +19,7 @@ class LocalConfig:
 
 class Local(PatchRule):
     name = "local"
-    config = LocalConfig
+    config_fields = LocalConfig
     covered = chained = anchored = True
 
     def spans(self, window: Window, config) -> Patches:

@@ -30,7 +30,7 @@ class MemoryConfig:
 
 class Memory(PatchRule):
     name = "memory"
-    config = MemoryConfig
+    config_fields = MemoryConfig
     covered = True
     links = (_RECURS,)
 

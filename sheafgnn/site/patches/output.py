@@ -20,7 +20,7 @@ class OutputConfig:
 
 class Output(PatchRule):
     name = "output"
-    config = OutputConfig
+    config_fields = OutputConfig
     always_on = True
     read = False  # the reader
 

@@ -30,7 +30,7 @@ class RetrievalConfig:
 
 class Retrieval(PatchRule):
     name = "retrieval"
-    config = RetrievalConfig
+    config_fields = RetrievalConfig
     # Off unless asked for: its job (find an earlier occurrence of what is read now) the learned topology's
     # content proposals do: they solve MQAR with retrieval off (benchmarks/results/tasks/), and on text
     # retrieval patches bought +0.005 bits/byte, under the seed noise of 0.031, for 0.7 of the 3.2 nodes and

@@ -83,8 +83,9 @@ class PatchRule:
 
     Attributes:
         name (str): the node type; the module is named for it.
-        config (type, optional): a dataclass of the type's SiteConfig fields, each
-            named for the type (``local_window``); :func:`integer` fields are checked.
+        config_fields (type, optional): a dataclass of the type's SiteConfig fields, named
+            for the type (``local_window``; ``anchor_scope`` and ``readout_last`` are older)
+            and unique among the types; :func:`integer` fields are checked.
         on_by_default (bool): in SiteConfig's default ``patch_types``.
         always_on (bool): made whatever ``patch_types`` says (``output``).
         covered (bool): its patches pool the tokens they span (``token in p`` edges).
@@ -101,7 +102,7 @@ class PatchRule:
     """
 
     name: str
-    config: type | None = None
+    config_fields: type | None = None
     on_by_default = True
     always_on = False
     covered = False
@@ -117,7 +118,7 @@ class PatchRule:
         return 1
 
     def read_count(self, config) -> int:
-        """How many of the latest patches of the type each output reads."""
+        """How many of the latest patches of the type each output reads (``readout_last``, output's field)."""
         return config.readout_last
 
     def attribute_rows(self, config) -> int | None:

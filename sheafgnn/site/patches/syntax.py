@@ -44,7 +44,7 @@ class SyntaxConfig:
 
 class Syntax(PatchRule):
     name = "syntax"
-    config = SyntaxConfig
+    config_fields = SyntaxConfig
     covered = chained = True
 
     def spans(self, window: Window, config) -> Patches:

@@ -38,7 +38,7 @@ class TopicConfig:
 
 class Topic(PatchRule):
     name = "topic"
-    config = TopicConfig
+    config_fields = TopicConfig
     covered = True
     links = (_SAME_TOPIC,)
     attribute = "topic"  # the topic id of the sentence

@@ -24,7 +24,7 @@ class WorkspaceConfig:
 
 class Workspace(PatchRule):
     name = "workspace"
-    config = WorkspaceConfig
+    config_fields = WorkspaceConfig
     chained = True
     links = (_WRITES,)
     attribute = "register"  # the register's index in its window, 0 .. workspace_registers - 1
