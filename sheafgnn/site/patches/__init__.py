@@ -31,11 +31,14 @@ How they are used:
   edges (cover, chain, anchor, read) from the roles (:mod:`sheafgnn.site.edges`);
 - the model embeds every type's ``attribute`` (:class:`~sheafgnn.model.SheafStateLM`).
 
-To add a type, add its file (and its tests): nothing else changes. The
-order of the nine built-in types is fixed (:data:`BUILT_IN`): the node types,
-and so the model's type embeddings and edge-type ids, follow it, and saved
-checkpoints index them. A new file's type comes after them, by name, and
-before ``output``, whose nodes (the readout) come last.
+To add a type, add its file (and its tests): nothing else changes
+(``tests/patch_types/line.py`` is a small example, which tests/test_layout.py
+adds to a copy of the package). The order of the nine built-in types is fixed
+(:data:`BUILT_IN`): the node types, and so the model's type embeddings and
+edge-type ids, follow it, and saved checkpoints index them. A new file's type
+comes after them, by name, and before ``output``, whose nodes (the readout)
+come last. It is in the schema whether switched on or not, so it adds rows to
+the model's tables: a checkpoint saved without it does not load with it.
 """
 
 from __future__ import annotations
