@@ -6,7 +6,7 @@ Each symbol of M and the code that implements it:
 symbol  meaning                                          file: function or class
 ======  ===============================================  =================================================
 C, J    the site: typed patches and which cover which    sheafgnn/site/builder.py: ``build_site``;
-                                                         types and rules in sheafgnn/site/schema.py
+                                                         a file per patch type in sheafgnn/site/patches/
 F       stalks: d stalk dims x f channels on each node   sheafgnn/nn/sheaf.py: ``SheafConv``
                                                          (``stalk_dim`` d, ``channels`` f)
 Phi     selective SSM along each chain of states         sheafgnn/nn/ssm.py: ``SelectiveSSM``
@@ -61,7 +61,8 @@ from sheafgnn.nn.ssm import SelectiveSSM
 from sheafgnn.nn.topology import LearnedTopology, Selection, TopologyInput
 from sheafgnn.site.builder import validate_site
 from sheafgnn.site.flat import FLAT_TYPES, FlatSite, flatten_site
-from sheafgnn.site.schema import GLUE_EDGES, NODE_TYPES, SiteConfig
+from sheafgnn.site.patches import RULES
+from sheafgnn.site.schema import GLUE_EDGES, NODE_ATTRIBUTES, NODE_TYPES, SiteConfig
 from sheafgnn.stream import LayerCache, SheafStream, StreamDelta, continue_chains, select_streamed
 
 
@@ -321,8 +322,14 @@ class SheafStateLM(nn.Module):
         D = config.d_model
         self.token_embedding = nn.Embedding(config.vocab_size, D)  # W_emb, tied to the readout R
         self.type_embedding = nn.Embedding(len(FLAT_TYPES), D)  # indexed in the flat order
-        self.register_embedding = nn.Embedding(config.site_config.workspace_registers, D)
-        self.topic_embedding = nn.Embedding(config.num_topics, D)
+        # One embedding per node attribute of a patch type (NODE_ATTRIBUTES: topic ids, workspace registers), named
+        # for it and registered in the attributes' name order (register, topic: the saved checkpoints' order). An
+        # attribute without a bound in the site config (topic ids: the fitted topic model has them) gets num_topics
+        # rows, and its ids wrap modulo that.
+        rows = {p: RULES[p].attribute_rows(config.site_config) for p in NODE_ATTRIBUTES}
+        self.wrapped_attributes = frozenset(p for p, r in rows.items() if r is None)
+        for p, name in sorted(NODE_ATTRIBUTES.items(), key=lambda item: item[1]):
+            self.add_module(f"{name}_embedding", nn.Embedding(config.num_topics if rows[p] is None else rows[p], D))
         self.blocks = nn.ModuleList(SheafBlock(config) for _ in range(config.n_layers))
         self.norm_out = nn.LayerNorm(D)
         self.reset_parameters()
@@ -335,7 +342,8 @@ class SheafStateLM(nn.Module):
         apply_quant(self, config.quant)  # fake-quantised maps / experts (sheafgnn.nn.quant); no-op if empty
 
     def reset_parameters(self) -> None:
-        for emb in (self.token_embedding, self.type_embedding, self.register_embedding, self.topic_embedding):
+        attribute_embeddings = [self.get_submodule(f"{name}_embedding") for name in sorted(NODE_ATTRIBUTES.values())]
+        for emb in (self.token_embedding, self.type_embedding, *attribute_embeddings):
             nn.init.normal_(emb.weight, std=0.02)
 
     def _check(self, data: HeteroData) -> None:
@@ -358,22 +366,22 @@ class SheafStateLM(nn.Module):
                 raise ValueError(f"SheafStateLM: the input is not a valid causal site: {err}") from None
 
     def embed(self, token_ids: Tensor, node_type: Tensor | None, type_ptr: list[int] | None,
-              topic: Tensor | None, register: Tensor | None) -> Tensor:
-        """Initial states of flat nodes (FLAT_TYPES order): token ids, the node types and type offsets,
-        the topic ids of the topic nodes and the registers of the workspace nodes; tokens only without
-        gluing (then the other arguments are ignored)."""
+              attributes: dict[str, Tensor] | None) -> Tensor:
+        """Initial states of flat nodes (FLAT_TYPES order): token ids, the node types and type offsets, and per
+        patch type with a node attribute (NODE_ATTRIBUTES) its nodes' attribute; tokens only without gluing
+        (then the other arguments are ignored)."""
         if not self.config.gluing:
             return self.token_embedding(token_ids) + self.type_embedding.weight[0]  # (num_tokens, D)
         h = self.type_embedding(node_type)  # (N, D)
         # In place on h's blocks (views): no (N, D) cat, and a generation step's two rows in a few ops.
         h[: token_ids.numel()].add_(self.token_embedding(token_ids))  # the tokens come first (type 0)
-        for t, ids, embedding in (("topic", topic, self.topic_embedding), ("workspace", register,
-                                                                         self.register_embedding)):
-            # Inference skips an empty block (a stream's step mostly has neither); training still runs it, so that
+        for p, ids in attributes.items():
+            # Inference skips an empty block (a stream's step mostly has none); training still runs it, so that
             # the weights get (zero) gradients and the optimizer treats every step alike (as PatchExperts does).
             if ids.numel() or torch.is_grad_enabled():
-                i = FLAT_TYPES.index(t)
-                h[type_ptr[i] : type_ptr[i + 1]].add_(embedding(ids % self.config.num_topics if t == "topic" else ids))
+                i, embedding = FLAT_TYPES.index(p), getattr(self, f"{NODE_ATTRIBUTES[p]}_embedding")
+                h[type_ptr[i] : type_ptr[i + 1]].add_(
+                    embedding(ids % embedding.num_embeddings if p in self.wrapped_attributes else ids))
         return h  # (N, D)
 
     def _forward(self, data: HeteroData, extras: Extras = Extras()) -> tuple[Tensor, list[dict], FlatSite]:
@@ -384,8 +392,8 @@ class SheafStateLM(nn.Module):
         if x.numel() and int(x.max()) >= self.config.vocab_size:
             raise ValueError(f"SheafStateLM: token id {int(x.max())} >= vocab_size {self.config.vocab_size}")
         site = flatten_site(data)
-        h = self.embed(x, site.node_type, site.type_ptr, data["topic"].topic,
-                       data["workspace"].register)  # (N, D), or (num_tokens, D) without gluing
+        attributes = {p: data[p][name] for p, name in NODE_ATTRIBUTES.items()}
+        h = self.embed(x, site.node_type, site.type_ptr, attributes)  # (N, D), or (num_tokens, D) without gluing
         infos = []
         recompute = self.config.checkpoint_blocks and self.training and torch.is_grad_enabled()
         for block in self.blocks:

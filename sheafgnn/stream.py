@@ -136,8 +136,7 @@ class StreamDelta(FlatBlocks):
     type_ptr: list[int]  # (num_types + 1,) block offsets of the new nodes
     node_type: Tensor  # (N,)
     token_ids: Tensor  # (T,) ids of the new tokens
-    topic: Tensor  # ids of the new topic nodes
-    register: Tensor  # register of the new workspace nodes
+    attributes: dict[str, Tensor]  # per patch type with a node attribute (topic ids, registers): its new nodes'
     first_row: int  # cache row of the first new node: the new non-output nodes have rows first_row + i, in order
     token_streams: list[int]  # streams with new tokens, in order
     token_stream: Tensor  # (T,) stream of each new token (and output)
@@ -220,7 +219,7 @@ class SheafStream(TokenStream):
         delta = self._delta(deltas)
         model = self.model
         h = model.embed(delta.token_ids.to(self.device), delta.node_type, delta.type_ptr,
-                        delta.topic.to(self.device), delta.register.to(self.device))  # (N, D)
+                        {p: ids.to(self.device) for p, ids in delta.attributes.items()})  # (N, D)
         for block, cache in zip(model.blocks, self.caches):
             h = block.step(h, delta, cache)
         logits = model.readout(h[model.read_rows(delta)])  # (T, V)
@@ -234,7 +233,7 @@ class SheafStream(TokenStream):
         reset = torch.zeros(token_ids.numel(), dtype=torch.bool, device=self.device)
         reset[[sum(lengths[:b]) for b in streams]] = True  # each stream's first new token
         delta = _TokensOnly(token_ids, reset, streams)
-        h = self.model.embed(token_ids, None, None, None, None)
+        h = self.model.embed(token_ids, None, None, None)
         for block, cache in zip(self.model.blocks, self.caches):
             h = block.step(h, delta, cache)
         return list(self.model.readout(h).split([x.numel() for x in ids]))
@@ -280,8 +279,8 @@ class SheafStream(TokenStream):
         tensor = self._tensor
         return StreamDelta(
             type_ptr, tensor(np.arange(len(FLAT_TYPES)).repeat([sum(per_stream) for per_stream in counts])),
-            concat([d.ids for d in present]), concat([d.attrs["topic"] for d in present]),
-            concat([d.attrs["workspace"] for d in present]), first_row, [b for b, _, _ in tokens],
+            concat([d.ids for d in present]), {p: concat([d.attrs[p] for d in present]) for p in present[0].attrs},
+            first_row, [b for b, _, _ in tokens],
             tensor(token_stream), tensor(token_reset), tensor(token_pos // self.model.config.proposal_block),
             tensor(previous_row),
             tensor(token_pos[:, None] == 0), tensor(cover_src), tensor(cover_ptr), [row for row, _ in chains],

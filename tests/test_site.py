@@ -1,4 +1,6 @@
 import random
+import re
+from dataclasses import dataclass, fields
 
 import pytest
 import torch
@@ -20,6 +22,9 @@ from sheafgnn.site import (
     rules,
     validate_site,
 )
+from sheafgnn.site.flat import FLAT_TYPES
+from sheafgnn.site.patches import RULES, PatchRule
+from sheafgnn.site.schema import GLUE_EDGES, NODE_ATTRIBUTES, config_bases
 
 from .conftest import CODE, PROSE
 
@@ -28,6 +33,55 @@ def test_patch_types():
     assert [p.value for p in PatchType] == [
         "local", "sentence", "syntax", "instruction", "topic", "memory", "retrieval", "workspace", "output"]
     assert NODE_TYPES == ("token",) + PATCH_TYPES
+    assert list(RULES) == list(PATCH_TYPES) and all(rule.name == p for p, rule in RULES.items())
+
+
+def test_the_registry_keeps_the_schema_order():
+    """The model's type embeddings and edge-type ids index FLAT_TYPES and GLUE_EDGES, and saved checkpoints
+    with them: the patch types' roles give the orders the schema held before the registry."""
+    covered = ["local", "sentence", "syntax", "instruction", "topic", "memory", "retrieval"]
+    chained = ["local", "sentence", "syntax", "instruction", "workspace"]
+    read = ["token", "local", "sentence", "syntax", "instruction", "topic", "memory", "retrieval", "workspace"]
+    links = [("topic", "same_topic", "topic"), ("memory", "recurs", "memory"), ("token", "recalls", "retrieval"),
+             ("local", "writes", "workspace")]
+    cover, chain = [("token", "in", p) for p in covered], [(p, "next", p) for p in chained]
+    anchor = [("instruction", "anchors", "local"), ("instruction", "anchors", "sentence")]
+    reads = [(p, "reads", "output") for p in read]
+    assert EDGE_TYPES == tuple(cover + chain + anchor + links + reads)
+    assert GLUE_EDGES == tuple(chain + anchor + links + reads[1:] + [("token", "matches", "output"),
+                                                                     ("token", "explores", "output")])
+    assert FLAT_TYPES == ("token", *chained, "topic", "memory", "retrieval", "output")
+    assert NODE_ATTRIBUTES == {"topic": "topic", "workspace": "register"}
+
+
+def test_two_types_cannot_share_a_config_field():
+    @dataclass
+    class Window:
+        local_window: int = 3
+
+    class Lines(PatchRule):
+        name, config_fields = "lines", Window
+
+    with pytest.raises(TypeError, match="patch type 'lines' declares the field 'local_window' of 'local'"):
+        config_bases({**RULES, "lines": Lines()})
+
+
+def test_site_config_fields_are_the_patch_types_fields(tmp_path):
+    """SiteConfig's fields: patch_types, every type's own (the flat keys of before), extra; files keep loading."""
+    assert [f.name for f in fields(SiteConfig)] == [
+        "patch_types", "local_window", "syntax_max_span", "syntax_max_depth", "instruction_cues", "anchor_scope",
+        "topic_links", "topic_model", "memory_min_len", "memory_max_len", "memory_links", "retrieval_key_len",
+        "retrieval_links", "workspace_registers", "readout_last", "extra"]
+    path = tmp_path / "site.yaml"
+    path.write_text("patch_types: [local, memory]\nlocal_window: 5\ninstruction_cues: ['Q:']\nmemory_max_len: 64\n")
+    config = SiteConfig.load(path)
+    assert (config.patch_types, config.local_window, config.instruction_cues) == (("local", "memory"), 5, ("Q:",))
+    assert SiteConfig.from_dict(config.to_dict()) == config and config.to_dict()["instruction_cues"] == ["Q:"]
+    for wrong, message in [({"memory_max_len": 65}, "memory_max_len must be at most 64 (got 65)"),
+                           ({"anchor_scope": -1}, "anchor_scope must be a non-negative integer (got -1)"),
+                           ({"syntax_max_depth": 1.5}, "syntax_max_depth must be a positive integer (got 1.5)")]:
+        with pytest.raises(ValueError, match=re.escape(f"SiteConfig: {message}")):
+            SiteConfig(**wrong)
 
 
 @pytest.mark.parametrize("text", [PROSE, CODE])

@@ -5,6 +5,11 @@ Each rule takes the bytes ``b`` (uint8, (nb,)) and returns byte spans
 *proves* the patch closed. A rule decides a span from bytes before ``end``
 alone, so no patch depends on text after it closed. Patches still open at
 the end of the text are not emitted: they would change with what follows.
+
+The byte classes (``SPACE``, ``WORD``, ``STOP``: (256,) masks; ``OPEN``/``CLOSE``:
+bracket kinds; ``QUOTES``, ``NEWLINE``; ``WORD_HASH``) are shared with the
+patch types' incremental scanners (:mod:`sheafgnn.site.patches`), which read the
+same bytes one at a time and must decide exactly as these rules do.
 """
 
 from __future__ import annotations
@@ -14,17 +19,22 @@ from torch import Tensor
 
 from sheafgnn.site.tokenizer import bytes_tensor
 
-_SPACE = torch.zeros(256, dtype=torch.bool)
-_SPACE[list(b" \t\r\n\v\f")] = True
-_WORD = torch.zeros(256, dtype=torch.bool)
-_WORD[list(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")] = True
-_WORD[128:] = True  # UTF-8 lead and continuation bytes: letters outside ASCII
-_STOP = torch.zeros(256, dtype=torch.bool)
-_STOP[list(b".!?")] = True
-_OPEN = {ord("("): 1, ord("["): 2, ord("{"): 3}
-_CLOSE = {ord(")"): 1, ord("]"): 2, ord("}"): 3}
-_QUOTES = (ord('"'), ord("`"))  # quote bytes that pair on a line
-_NEWLINE = ord("\n")
+SPACE = torch.zeros(256, dtype=torch.bool)
+SPACE[list(b" \t\r\n\v\f")] = True
+WORD = torch.zeros(256, dtype=torch.bool)
+WORD[list(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")] = True
+WORD[128:] = True  # UTF-8 lead and continuation bytes: letters outside ASCII
+STOP = torch.zeros(256, dtype=torch.bool)
+STOP[list(b".!?")] = True
+OPEN = {ord("("): 1, ord("["): 2, ord("{"): 3}
+CLOSE = {ord(")"): 1, ord("]"): 2, ord("}"): 3}
+QUOTES = (ord('"'), ord("`"))  # quote bytes that pair on a line
+NEWLINE = ord("\n")
+
+
+def byte_set(mask: Tensor) -> frozenset[int]:
+    """The bytes a (256,) class mask holds: a scanner tests one byte at a time, where a set is faster."""
+    return frozenset(torch.nonzero(mask).squeeze(1).tolist())
 
 
 def _empty() -> tuple[Tensor, Tensor]:
@@ -47,7 +57,7 @@ def sentences(b: Tensor) -> tuple[Tensor, Tensor]:
     if b.numel() < 2:
         return _empty()
     prev, cur = b[:-1], b[1:]
-    closes = (_STOP[prev] & _SPACE[cur]) | ((prev == _NEWLINE) & (cur == _NEWLINE))
+    closes = (STOP[prev] & SPACE[cur]) | ((prev == NEWLINE) & (cur == NEWLINE))
     end = torch.nonzero(closes).squeeze(1) + 2  # (S,) exclusive ends
     start = torch.cat([end.new_zeros(1), end])[:-1]
     return start, end
@@ -62,9 +72,9 @@ def brackets(b: Tensor, max_depth: int) -> tuple[Tensor, Tensor]:
     """
     b = b.long()
     kind = torch.zeros(256, dtype=torch.long)
-    for byte, k in _OPEN.items():
+    for byte, k in OPEN.items():
         kind[byte] = k
-    for byte, k in _CLOSE.items():
+    for byte, k in CLOSE.items():
         kind[byte] = -k
     k = kind[b]
     pos = torch.nonzero(k).squeeze(1)  # (K,) bracket positions
@@ -84,11 +94,11 @@ def brackets(b: Tensor, max_depth: int) -> tuple[Tensor, Tensor]:
 def quotes(b: Tensor) -> tuple[Tensor, Tensor]:
     """Double-quote and backtick spans: the 1st and 2nd quote of a line pair, then the 3rd and 4th..."""
     b = b.long()
-    is_quote = (b == _QUOTES[0]) | (b == _QUOTES[1])
+    is_quote = (b == QUOTES[0]) | (b == QUOTES[1])
     pos = torch.nonzero(is_quote).squeeze(1)
     if pos.numel() < 2:
         return _empty()
-    line = torch.cumsum(b == _NEWLINE, 0)[pos]  # (Q,) line of each quote
+    line = torch.cumsum(b == NEWLINE, 0)[pos]  # (Q,) line of each quote
     first_of_line = torch.ones_like(line, dtype=torch.bool)
     first_of_line[1:] = line[1:] != line[:-1]
     first_idx = _prev_true_index(first_of_line)
@@ -101,16 +111,16 @@ def quotes(b: Tensor) -> tuple[Tensor, Tensor]:
 def _lines(b: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Per line: start byte, first non-space byte (or -1 if blank/unfinished), indent."""
     nb = b.numel()
-    start = torch.cat([torch.zeros(1, dtype=torch.long), torch.nonzero(b == _NEWLINE).squeeze(1) + 1])
+    start = torch.cat([torch.zeros(1, dtype=torch.long), torch.nonzero(b == NEWLINE).squeeze(1) + 1])
     start = start[start < nb]
-    nonspace = ~_SPACE[b.long()] | (b == _NEWLINE)  # a newline ends a blank line's indent
+    nonspace = ~SPACE[b.long()] | (b == NEWLINE)  # a newline ends a blank line's indent
     # First byte at or after each line start that is not a blank.
     nxt = torch.where(nonspace, torch.arange(nb), nb)
     nxt = nxt.flip(0).cummin(0).values.flip(0)
     first = nxt[start]  # (L,)
     valid = first < nb
     first_byte = b[first.clamp(max=nb - 1)]
-    valid &= first_byte != _NEWLINE  # blank line
+    valid &= first_byte != NEWLINE  # blank line
     indent = first - start
     return start, torch.where(valid, first, -1), indent
 
@@ -148,7 +158,7 @@ def instructions(b: Tensor, cues: tuple[str, ...]) -> tuple[Tensor, Tensor]:
     if nb == 0 or not cues:
         return _empty()
     b = b.long()
-    line_start = torch.cat([torch.zeros(1, dtype=torch.long), torch.nonzero(b == _NEWLINE).squeeze(1) + 1])
+    line_start = torch.cat([torch.zeros(1, dtype=torch.long), torch.nonzero(b == NEWLINE).squeeze(1) + 1])
     line_start = line_start[line_start < nb]
     hit = torch.zeros(line_start.numel(), dtype=torch.bool)
     for cue in cues:  # a loop per cue pattern
@@ -159,7 +169,7 @@ def instructions(b: Tensor, cues: tuple[str, ...]) -> tuple[Tensor, Tensor]:
         match[fits] = (b[idx] == pattern).all(1)
         hit |= match
     starts = line_start[hit]
-    newlines = torch.nonzero(b == _NEWLINE).squeeze(1)
+    newlines = torch.nonzero(b == NEWLINE).squeeze(1)
     j = torch.searchsorted(newlines, starts)
     ok = j < newlines.numel()
     return starts[ok], newlines[j[ok]] + 1
@@ -179,7 +189,7 @@ def words(b: Tensor, min_len: int, max_len: int) -> tuple[Tensor, Tensor, Tensor
     if nb < 2:
         s, e = _empty()
         return s, e, s
-    w = _WORD[b.long()]
+    w = WORD[b.long()]
     begins = w.clone()
     begins[1:] &= ~w[:-1]
     finishes = w[:-1] & ~w[1:]  # word byte followed by a non-word byte
@@ -196,14 +206,14 @@ def words(b: Tensor, min_len: int, max_len: int) -> tuple[Tensor, Tensor, Tensor
     idx = start[:, None] + offsets  # (W, max_len)
     inside = offsets < length[:, None]
     padded = torch.where(inside, b.long()[idx.clamp(max=nb - 1)] + 1, 0)  # (W, max_len), 0 = past the end
-    return start, stop + 1, (padded * _WORD_HASH[:max_len]).sum(1)
+    return start, stop + 1, (padded * WORD_HASH[:max_len]).sum(1)
 
 
 # Random odd 31-bit weights: a word's entity key is sum_k (byte_k + 1) * w_k, exact
 # in int64 (< 2^44). Distinct words collide only if their weighted byte sums
 # agree, which these weights make vanishingly rare; a collision would only add
 # a spurious (still causal) recurrence edge.
-_WORD_HASH = torch.randint(1 << 29, 1 << 31, (64,), generator=torch.Generator().manual_seed(0)) | 1
+WORD_HASH = torch.randint(1 << 29, 1 << 31, (64,), generator=torch.Generator().manual_seed(0)) | 1
 
 
 def split_sentences(text: str) -> list[str]:
