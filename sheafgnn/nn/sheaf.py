@@ -67,7 +67,6 @@ class _Edges(NamedTuple):
     num_edges: int
 
 
-
 class SheafConv(MessagePassing):
     r"""The causal sheaf diffusion operator, after the
     `"Neural Sheaf Diffusion: A Topological Perspective on Heterophily and
@@ -92,10 +91,10 @@ class SheafConv(MessagePassing):
     (:obj:`"diag"`), :math:`\tanh` (:obj:`"general"`), or the Cayley transform
     :math:`(\mathbf{I} + \mathbf{A})^{-1}(\mathbf{I} - \mathbf{A})` of a skew
     matrix :math:`\mathbf{A}` (:obj:`"orthogonal"`: exactly orthogonal, in
-    :math:`SO(d)`); :obj:`"identity"` fixes every map to :math:`\mathbf{I}` (no
-    map learner: the ablation that asks what learned maps buy). The first layer of
-    :math:`\Psi` is evaluated per node and gathered per edge, which equals the per-edge linear layer on the
-    concatenation at :math:`O(|\mathcal{V}|)` instead of :math:`O(|\mathcal{E}|)` matmul cost.
+    :math:`SO(d)`); :obj:`"identity"` fixes every map to :math:`\mathbf{I}` (no map learner: the
+    ablation of learned maps). The first layer of :math:`\Psi` is evaluated per node and gathered per
+    edge, which equals the per-edge linear layer on the concatenation at :math:`O(|\mathcal{V}|)`
+    instead of :math:`O(|\mathcal{E}|)` matmul cost.
 
     The layer applies the destination's row of the in-edge sheaf Laplacian,
     in matrix form
@@ -436,7 +435,7 @@ class SheafConv(MessagePassing):
         r"""The C++ kernel ``glue_diag`` (:mod:`sheafgnn.nn.cpu_kernels`: a step's gluing in one call, not ~40 ops)
         and this layer's weights for it, where it computes what :meth:`forward` does (inference on the CPU, sorted
         typed weighted edges with their :obj:`ptr`, diag maps, no stalk mixing, no normalisation, ELU), else None."""
-        if self.map_kind != "diag":
+        if self.map_kind != "diag":  # the kernel computes diag maps only
             return None
         map_out, weight_stalk, act, map_lin, map_type_emb, *weights = cpu_kernels.registered(self, (
             "map_out", "weight_stalk", "act", "map_lin", "map_type_emb",  # checked; then glue_diag's weights
