@@ -3,19 +3,13 @@
 import pytest
 import torch
 
-from sheafgnn import stream as stream_module
 from sheafgnn.model import SheafStateLM
 from sheafgnn.nn import cpu_kernels
+from sheafgnn.nn.inference import RowBuffer
+from sheafgnn.nn.topology import LearnedTopology
 from sheafgnn.site import build_site
 from sheafgnn.site.tokenizer import ByteTokenizer
-from sheafgnn.stream import (
-    RowBuffer,
-    SheafStream,
-    compete_outputs,
-    compete_outputs_reference,
-    new_queries_and_keys,
-    new_queries_and_keys_reference,
-)
+from sheafgnn.stream import SheafStream
 
 from .conftest import CODE, PROSE, small_model_config
 
@@ -89,15 +83,17 @@ def test_compete_outputs_kernel_equals_the_reference(monkeypatch, full_config, b
                    sink_threshold=sink_threshold)
     checked = []
 
-    def both(*args):
-        kept = compete_outputs(*args)
-        reference = compete_outputs_reference(*args)
+    compete_outputs = LearnedTopology.compete_outputs
+
+    def both(topology, query, block_query, sink, delta, cache):
+        kept = compete_outputs(topology, query, block_query, sink, delta, cache)
+        reference = topology.compete_outputs_reference(query, block_query, sink, delta, cache)
         assert all(torch.equal(a, b) for a, b in zip(kept[:3], reference[:3]))  # sources, destinations, types
         torch.testing.assert_close(kept[3], reference[3])
-        checked.append(args[5].block_key.size)  # content blocks cached so far (args: ..., delta, cache, first_dst)
+        checked.append(cache.block_key.size)  # content blocks cached so far
         return kept
 
-    monkeypatch.setattr(stream_module, "compete_outputs", both)
+    monkeypatch.setattr(LearnedTopology, "compete_outputs", both)
     ids = torch.tensor(list((PROSE + CODE).encode()))
     stream = model.stream(batch_size=2)
     stream.feed([ids[:90], ids[:41]])
@@ -109,21 +105,23 @@ def test_compete_outputs_kernel_equals_the_reference(monkeypatch, full_config, b
 
 @pytest.mark.skipif(cpu_kernels.stream_keys() is None, reason="the step kernels are disabled or could not be built")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_new_queries_and_keys_kernel_equals_the_reference(monkeypatch, full_config, dtype):
+def test_queries_and_keys_kernel_equals_the_reference(monkeypatch, full_config, dtype):
     """The topology's queries and keys of every delta of a batch of streams (a first feed of a few tokens, from
     position 0; a prompt; pieces; generated tokens): the kernel gives the PyTorch composition's."""
     model = _model(full_config).to(dtype)
     kernel_calls = []
 
+    queries_and_keys = LearnedTopology.queries_and_keys
+
     def both(topology, h, delta, cache):
-        kept = new_queries_and_keys(topology, h, delta, cache)
-        reference = new_queries_and_keys_reference(topology, h, delta, cache)
+        kept = queries_and_keys(topology, h, delta, cache)
+        reference = topology.queries_and_keys_reference(h, delta, cache)
         tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(kept, reference, **tol)
-        kernel_calls.append(h.size(0) <= cpu_kernels.STEP_ROWS * len(delta.token_streams))
+        kernel_calls.append(h.size(0) <= cpu_kernels.STEP_ROWS * delta.num_streams)
         return kept
 
-    monkeypatch.setattr(stream_module, "new_queries_and_keys", both)
+    monkeypatch.setattr(LearnedTopology, "queries_and_keys", both)
     ids = torch.tensor(list((PROSE + CODE).encode()))
     stream = model.stream(batch_size=2)
     for a, b in ((0, 3), (3, 90), (90, 97)):
