@@ -74,6 +74,30 @@ def test_stream_equals_full_forward_every_map_kind(full_config, map_kind, num_ex
     torch.testing.assert_close(streamed, _full_logits(model, ids), atol=1e-4, rtol=1e-4)
 
 
+# Per map kind, a model with more of the options on: in float64 the stream and the full forward differ by the
+# order of their sums only (the chunked scan against the steps), ~1e-14 of the logits.
+FLOAT64_MODELS = {"diag": dict(num_experts=2, block_scorer=True, block_summary="bounds"),
+                  "orthogonal": dict(sink_threshold=True, shared_experts=True, glue_gate=True),
+                  "general": dict(num_experts=2, block_summary="mean")}
+
+
+@pytest.mark.parametrize("kernels", ["1", "0"], ids=["kernels", "pytorch"])
+@pytest.mark.parametrize("map_kind", sorted(FLOAT64_MODELS))
+def test_stream_equals_full_forward_in_float64(monkeypatch, full_config, map_kind, kernels):
+    """Streamed logits (a token at a time, pieces of 7 and 64) equal the full forward's to 1e-10 in float64, with
+    the C++ step kernels and without them (SHEAFGNN_CPU_KERNELS=0: every step runs its PyTorch reference)."""
+    monkeypatch.setenv("SHEAFGNN_CPU_KERNELS", kernels)
+    if kernels == "1" and cpu_kernels.stream_pools() is None:
+        pytest.skip("the step kernels could not be built")
+    assert (cpu_kernels.stream_pools() is None) == (kernels == "0")
+    model = _gate_open(_model(full_config, map_kind=map_kind, proposal_block=4, content_blocks=3,
+                              **FLOAT64_MODELS[map_kind])).double()
+    ids = torch.tensor(list((PROSE + CODE).encode()))[:300]
+    full = _full_logits(model, ids)
+    for chunk in (1, 7, 64):
+        torch.testing.assert_close(_streamed(model.stream(), ids, chunk), full, atol=1e-10, rtol=0)
+
+
 @pytest.mark.skipif(cpu_kernels.stream_pools() is None, reason="the step kernels are disabled or could not be built")
 @pytest.mark.parametrize("block_summary,sink_threshold", [("mean", False), ("bounds", True)])
 def test_compete_outputs_kernel_equals_the_reference(monkeypatch, full_config, block_summary, sink_threshold):
