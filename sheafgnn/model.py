@@ -260,11 +260,12 @@ class SheafBlock(nn.Module):
         token_ssm = self.phi_token.init_state(batch_size, device, dtype)
         if not self.gluing:
             return LayerCache(token_ssm)
-        D, rank, topology = self.topology.channels, self.topology.rank, self.topology
-        return LayerCache(token_ssm, RowBuffer((D,), dtype, device), RowBuffer((rank,), dtype, device),
-                          RowBuffer((rank,), dtype, device),
-                          RowBuffer((batch_size, summary_width(rank, topology.block_summary)), dtype, device),
-                          self.phi_patch.init_state(len(CHAINED_TYPES) * batch_size, device, dtype))
+        D, rank = self.topology.channels, self.topology.rank
+        summary = summary_width(rank, self.topology.block_summary)  # a content block's summary key
+        return LayerCache(token_ssm, state=RowBuffer((D,), dtype, device), key=RowBuffer((rank,), dtype, device),
+                          block_token_key=RowBuffer((rank,), dtype, device),
+                          block_key=RowBuffer((batch_size, summary), dtype, device),
+                          chain_ssm=self.phi_patch.init_state(len(CHAINED_TYPES) * batch_size, device, dtype))
 
     def gate(self, h: Tensor, glued: Tensor) -> Tensor:
         """The gluing's update through the gate: ``h + g * (glued - h)`` (``glued`` without ``glue_gate``)."""

@@ -47,9 +47,9 @@ class TopologyStep:
     ``compete_pools``)."""
 
     def step(self, h: Tensor, delta: TopologyDelta, cache: LayerCache) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """:meth:`forward` for the new destinations of a stream batch, from the cached keys of the old nodes: the same
-        pools, in the same column order, and the same competitions. Writes the new nodes' keys and the new content
-        blocks' summaries to ``cache``.
+        """:meth:`LearnedTopology.forward <sheafgnn.nn.topology.LearnedTopology.forward>` for the new destinations of
+        a stream batch, from the cached keys of the old nodes: the same pools, in the same column order, and the same
+        competitions. Writes the new nodes' keys and the new content blocks' summaries to ``cache``.
 
         Args:
             h (Tensor): (N, D) the new nodes' states, in ``delta``'s order.
@@ -93,7 +93,7 @@ class TopologyStep:
 
     def queries_and_keys(self, h: Tensor, delta: TopologyDelta, cache: LayerCache) -> tuple[Tensor, Tensor]:
         """The queries (N, r) of a stream batch's new nodes ``h`` (N, D) and the keys (num_rows, r) of its non-output
-        ones, as :meth:`_keys` holds them: a token's key also reads the cached state of the token before it (nothing
+        ones, as the forward computes them: a token's key also reads the cached state of the token before it (nothing
         at position 0). Without gradients, on the CPU, for at most :data:`~sheafgnn.nn.cpu_kernels.STEP_ROWS` new
         nodes per stream, one call of the C++ kernel ``stream_keys`` (:mod:`sheafgnn.nn.cpu_kernels`: ~10 ops a
         block in one); elsewhere, and as the reference, :meth:`queries_and_keys_reference`."""
@@ -161,7 +161,8 @@ class TopologyStep:
 
     def _cached_block_proposals(self, block_query: Tensor, delta: TopologyDelta,
                                 cache: LayerCache) -> tuple[Tensor, Tensor]:
-        """:meth:`block_proposals` of a stream batch's T new outputs, chosen by their ``block_query`` (T, r) among
+        """The content proposals of a stream batch's T new outputs (the forward's
+        :meth:`~sheafgnn.nn.topology.LearnedTopology.block_proposals`), chosen by their ``block_query`` (T, r) among
         their streams' cached block summaries (:func:`~sheafgnn.nn.proposals.stream_blocks`): (T, content_blocks * B)
         cache rows of the chosen blocks' tokens (-1: none), read from the block-major token table, and their edge
         types."""
