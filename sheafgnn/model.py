@@ -52,7 +52,8 @@ from sheafgnn.config import ConfigFile
 from sheafgnn.memory import tune_cpu_process
 from sheafgnn.nn import cpu_kernels
 from sheafgnn.nn.experts import PatchExperts
-from sheafgnn.nn.proposals import BLOCK_SUMMARIES
+from sheafgnn.nn.inference import LayerCache, RowBuffer
+from sheafgnn.nn.proposals import BLOCK_SUMMARIES, summary_width
 from sheafgnn.nn.quant import apply_quant, validate_quant
 from sheafgnn.nn.readout import readout_cross_entropy
 from sheafgnn.nn.segment import gather_segment_mean, ptr_from_index
@@ -62,8 +63,8 @@ from sheafgnn.nn.topology import LearnedTopology, Selection, TopologyInput
 from sheafgnn.site.builder import validate_site
 from sheafgnn.site.flat import FLAT_TYPES, FlatSite, flatten_site
 from sheafgnn.site.patches import RULES
-from sheafgnn.site.schema import GLUE_EDGES, NODE_ATTRIBUTES, NODE_TYPES, SiteConfig
-from sheafgnn.stream import LayerCache, SheafStream, StreamDelta, continue_chains, select_streamed
+from sheafgnn.site.schema import CHAINED_TYPES, GLUE_EDGES, NODE_ATTRIBUTES, NODE_TYPES, SiteConfig
+from sheafgnn.stream import SheafStream, StreamDelta
 
 
 @dataclass(frozen=True)
@@ -241,8 +242,8 @@ class SheafBlock(nn.Module):
         ones (see :mod:`sheafgnn.stream`); returns the new nodes' states (N_new, D)."""
         tok = slice(0, delta.token_ids.numel())
         h_tok = h[tok]  # (T, D)
-        y, cache.token_ssm = continue_chains(self.phi_token, h_tok, delta.token_reset, cache.token_ssm,
-                                             delta.token_streams, norm=self.norm_token)
+        y, cache.token_ssm = self.phi_token.continue_chains(h_tok, delta.token_reset, cache.token_ssm,
+                                                            delta.token_streams, norm=self.norm_token)
         h_tok = h_tok + y
         if not self.gluing:
             update, _ = self.experts(h_tok, [0, h_tok.size(0)], self.norm_expert)
@@ -254,13 +255,13 @@ class SheafBlock(nn.Module):
         if patches.stop > patches.start:  # most generated tokens close no patch
             h_patch = h_patch + self.pool(gather_segment_mean(cache.state.data, delta.cover_src, delta.cover_ptr))
             num_chained = delta.chain_reset.numel()
-            y, cache.chain_ssm = continue_chains(self.phi_patch, h_patch[:num_chained], delta.chain_reset,
-                                                 cache.chain_ssm, delta.chain_rows, norm=self.norm_patch)
+            y, cache.chain_ssm = self.phi_patch.continue_chains(h_patch[:num_chained], delta.chain_reset,
+                                                                cache.chain_ssm, delta.chain_rows, norm=self.norm_patch)
             h_patch = torch.cat([h_patch[:num_chained] + y, h_patch[num_chained:]])
             cache.state.write(first + tok.stop, h_patch)
         h = torch.cat([h_tok, h_patch, h_tok if self.token_residual else h[out] + h_tok])  # (N, D)
 
-        src, dst, edge_type, weight = select_streamed(self.topology, h, delta, cache)
+        src, dst, edge_type, weight = self.topology.step(h, delta.topology, cache)
         # Bipartite gluing: the new nodes (destinations) read their sources' cached states in place.
         glued = self.glue((cache.state.data, h), torch.stack([src, dst]), edge_type, weight,
                           ptr=ptr_from_index(dst, h.size(0)))
@@ -277,6 +278,19 @@ class SheafBlock(nn.Module):
         body = torch.cat([h_tok + self.broadcast(h_out), h_patch])
         update, balance = self.experts(body, self.expert_ptr(type_ptr[:-1]), self.norm_expert)
         return torch.cat([body + update, h_out]), balance
+
+    def allocate_inference_cache(self, batch_size: int, device: torch.device, dtype: torch.dtype) -> LayerCache:
+        """The empty cache of ``batch_size`` streams (:mod:`sheafgnn.stream`): the token chain's SSM state and, with
+        gluing, every node's state and topology keys, the content blocks' summaries and the patch chains' states."""
+        token_ssm = self.phi_token.init_state(batch_size, device, dtype)
+        if not self.gluing:
+            return LayerCache(token_ssm)
+        D, rank = self.topology.channels, self.topology.rank
+        summary = summary_width(rank, self.topology.block_summary)  # a content block's summary key
+        return LayerCache(token_ssm, state=RowBuffer((D,), dtype, device), key=RowBuffer((rank,), dtype, device),
+                          block_token_key=RowBuffer((rank,), dtype, device),
+                          block_key=RowBuffer((batch_size, summary), dtype, device),
+                          chain_ssm=self.phi_patch.init_state(len(CHAINED_TYPES) * batch_size, device, dtype))
 
     def gate(self, h: Tensor, glued: Tensor) -> Tensor:
         """The gluing's update through the gate: ``h + g * (glued - h)`` (``glued`` without ``glue_gate``)."""

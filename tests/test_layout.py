@@ -1,8 +1,9 @@
-"""The layout of the package: imports go downwards, no cycles, small modules and functions, no module
-takes another's private names, and a patch type is one file.
+"""The layout of the package: imports go downwards, no cycles, small modules and functions, no module reaching
+into another's private names, a stream that computes no layer, and a patch type is one file.
 
 experiments -> train -> lm / model / data -> site / nn (DESIGN.md, "Layout"). Imports are read
-from the source (module level and inside functions), so a lazy import cannot hide a cycle.
+from the source (module level and inside functions), so a lazy import cannot hide a cycle. An import under
+``if TYPE_CHECKING:`` names a type for the checker and never runs: it counts for the layers, not for cycles.
 """
 
 from __future__ import annotations
@@ -34,8 +35,6 @@ LAYERS = {  # module prefix -> prefixes it must not import
     "sheafgnn.generation": ("sheafgnn",),  # torch only: every model's stream builds on it
     "sheafgnn.optim": ("sheafgnn",),  # torch only: every training loop's optimizer
 }
-# Private names that one module still takes from another, each to be made public or moved in its own change.
-KNOWN_PRIVATE_IMPORTS = {("sheafgnn.experiments.learned_report", "sheafgnn.experiments.learned_topology._eval_site")}
 
 
 def _module_name(path: Path) -> str:
@@ -47,10 +46,22 @@ def _modules() -> dict[str, Path]:
     return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
-def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
-    """The sheafgnn modules ``path`` imports; ``from pkg import sub`` counts as importing ``pkg.sub``."""
+def _type_only(tree: ast.Module) -> set[ast.AST]:
+    """The import statements under ``if TYPE_CHECKING:``."""
+    return {node for block in ast.walk(tree) if isinstance(block, ast.If) and ast.unparse(block.test) in
+            ("TYPE_CHECKING", "typing.TYPE_CHECKING") for statement in block.body for node in ast.walk(statement)
+            if isinstance(node, (ast.Import, ast.ImportFrom))}
+
+
+def _imports(path: Path, modules: dict[str, Path], type_only: bool = False) -> set[str]:
+    """The sheafgnn modules ``path`` imports at run time (``type_only``: under ``if TYPE_CHECKING:`` only);
+    ``from pkg import sub`` counts as importing ``pkg.sub``."""
+    tree = ast.parse(path.read_text())
+    for_types = _type_only(tree)
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
+        if (node in for_types) != type_only:
+            continue
         if isinstance(node, ast.Import):
             out.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -60,12 +71,14 @@ def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
     return {name for name in out if name in modules}
 
 
-def import_graph() -> nx.DiGraph:
+def import_graph(type_only: bool = False) -> nx.DiGraph:
+    """The run-time imports between sheafgnn's modules, and with ``type_only`` those under TYPE_CHECKING too."""
     modules = _modules()
     graph = nx.DiGraph()
     for name, path in modules.items():
         graph.add_node(name)
-        for target in _imports(path, modules):
+        targets = _imports(path, modules) | (_imports(path, modules, type_only=True) if type_only else set())
+        for target in targets:
             # a package's __init__ re-exporting its own submodules is not an upward import
             if not (path.name == "__init__.py" and target.startswith(name + ".")):
                 graph.add_edge(name, target)
@@ -79,7 +92,7 @@ def test_no_import_cycles():
 
 @pytest.mark.parametrize("lower", sorted(LAYERS))
 def test_imports_go_downwards(lower):
-    graph = import_graph()
+    graph = import_graph(type_only=True)
     bad = [(src, dst) for src, dst in graph.edges
            if (src == lower or src.startswith(lower + ".")) and dst.startswith(LAYERS[lower])]
     assert not bad, f"{lower} imports a higher layer: {bad}"
@@ -100,6 +113,84 @@ def test_modules_and_functions_are_small():
     assert not long_functions, f"functions over {MAX_FUNCTION_LINES} lines: {long_functions}"
 
 
+# What the stream may import at run time: the generic stream, the caches and deltas it hands to the layers, and
+# the site deltas; the model for its type only. What computes a layer (sheafgnn.nn's layers and kernels) is the
+# model's: the stream is its consumer, as lm.py is.
+STREAM_IMPORTS = ("sheafgnn.generation", "sheafgnn.nn.inference", "sheafgnn.site")
+STREAM_TYPE_IMPORTS = {"sheafgnn.model"}
+
+
+def _under(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def test_the_stream_computes_no_layer():
+    """stream.py is bookkeeping of deltas and rows: each layer owns its step (SelectiveSSM.continue_chains,
+    LearnedTopology.step, SheafBlock.step), so the stream imports nothing that computes a layer's math."""
+    modules = _modules()
+    runtime = _imports(modules["sheafgnn.stream"], modules)
+    type_only = _imports(modules["sheafgnn.stream"], modules, type_only=True)
+    assert not [m for m in runtime if not _under(m, STREAM_IMPORTS)], f"sheafgnn.stream imports {sorted(runtime)}"
+    assert type_only <= STREAM_TYPE_IMPORTS, f"sheafgnn.stream imports {sorted(type_only)} for types"
+
+
+def _private(name: str | None) -> bool:
+    return name is not None and name.startswith("_") and not name.startswith("__")
+
+
+def _private_uses(path: Path, modules: dict[str, Path]) -> list[str]:
+    """Where ``path`` imports a private name of another sheafgnn module (or binds one of its names to a private
+    alias), reads one through the module, or calls a private method of anything but ``self``, ``cls`` and
+    ``super()``; third-party objects (torch's private ops) are their libraries' affair."""
+    tree = ast.parse(path.read_text())
+    third_party, sheafgnn_modules, found = set(), set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                bound = alias.asname or alias.name.split(".")[0]
+                (sheafgnn_modules if alias.name.startswith("sheafgnn") else third_party).add(bound)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            for alias in node.names:
+                if not node.module.startswith("sheafgnn"):
+                    third_party.add(alias.asname or alias.name)
+                elif f"{node.module}.{alias.name}" in modules:
+                    sheafgnn_modules.add(alias.asname or alias.name)
+                elif _private(alias.name) or _private(alias.asname):
+                    found.append(f"{node.lineno}: from {node.module} import {ast.unparse(alias)}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr) and isinstance(node.value, ast.Name) and \
+                node.value.id in sheafgnn_modules:
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and _private(node.func.attr):
+            owner = node.func.value
+            if (isinstance(owner, ast.Name) and owner.id in ("self", "cls")) or ast.unparse(owner) == "super()":
+                continue
+            root = owner
+            while isinstance(root, (ast.Attribute, ast.Call, ast.Subscript)):
+                root = root.func if isinstance(root, ast.Call) else root.value
+            if not (isinstance(root, ast.Name) and root.id in third_party):
+                found.append(f"{node.lineno}: {ast.unparse(node.func)}(...)")
+    return found
+
+
+def test_no_module_uses_another_modules_private_names():
+    modules = _modules()
+    bad = {name: uses for name, path in modules.items() for uses in [_private_uses(path, modules)] if uses}
+    assert not bad, f"private names used across modules: {bad}"
+
+
+def test_the_private_name_check_sees_each_kind(tmp_path):
+    """The private-name check is not vacuous: an import, an alias, a read through a module and a call are found;
+    a call on self and a third-party private op are not."""
+    source = ("import torch\nfrom sheafgnn.nn import topology\nfrom sheafgnn.nn.gluing import _x\n"
+              "from sheafgnn.nn.gluing import weigh as _w\n\n\nclass A:\n    def f(self, t):\n"
+              "        self._g()\n        torch._int_mm(t, t)\n        topology._y\n        return t._score(1)\n")
+    path = tmp_path / "a.py"
+    path.write_text(source)
+    found = _private_uses(path, {"sheafgnn.nn.topology": path})
+    assert [use.split(":")[0] for use in found] == ["3", "4", "11", "12"], found
+
+
 def plant(tmp_path: Path, monkeypatch, modules: dict[str, str]) -> None:
     """Make the checks read a package ``sheafgnn`` of ``modules`` (name -> source) under ``tmp_path``."""
     package = tmp_path / "sheafgnn"
@@ -114,66 +205,6 @@ def test_the_check_sees_a_planted_cycle(tmp_path, monkeypatch):
     plant(tmp_path, monkeypatch, {"a": "def f():\n    from sheafgnn import b\n",
                                   "b": "def g():\n    import sheafgnn.a\n"})
     assert [set(c) for c in nx.simple_cycles(import_graph())] == [{"sheafgnn.a", "sheafgnn.b"}]
-
-
-def _private(name: str) -> bool:
-    return name.startswith("_") and not name.startswith("__")
-
-
-def _dotted(node: ast.expr) -> str | None:
-    """``a.b.c`` of a chain of attribute lookups on a name, else None."""
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        base = _dotted(node.value)
-        return None if base is None else f"{base}.{node.attr}"
-    return None
-
-
-def private_imports() -> set[tuple[str, str]]:
-    """(module, other module's private name) for every ``from m import _x`` and every ``m._x`` where ``m``
-    names an imported sheafgnn module (``from pkg import m``, ``import pkg.m as m`` or ``pkg.m`` itself)."""
-    modules = _modules()
-    found = set()
-    for name, path in modules.items():
-        tree = ast.parse(path.read_text())
-        bound = {}  # local name -> the sheafgnn module it names
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module in modules and node.level == 0:
-                for alias in node.names:
-                    if _private(alias.name):
-                        found.add((name, f"{node.module}.{alias.name}"))
-                    elif f"{node.module}.{alias.name}" in modules:
-                        bound[alias.asname or alias.name] = f"{node.module}.{alias.name}"
-            elif isinstance(node, ast.Import):
-                bound.update({alias.asname: alias.name for alias in node.names if alias.asname in modules or
-                              (alias.asname and alias.name in modules)})
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and _private(node.attr):
-                owner = _dotted(node.value)
-                if owner is not None:
-                    head, _, rest = owner.partition(".")
-                    owner = ".".join(filter(None, (bound.get(head, head), rest)))
-                    if owner in modules and owner != name:
-                        found.add((name, f"{owner}.{node.attr}"))
-    return found
-
-
-def test_no_module_takes_a_private_name_from_another():
-    new = private_imports() - KNOWN_PRIVATE_IMPORTS
-    assert not new, f"private names taken from other modules: {sorted(new)}"
-    assert not any(module.startswith("sheafgnn.site") for module, _ in KNOWN_PRIVATE_IMPORTS)
-
-
-def test_the_check_sees_planted_private_imports(tmp_path, monkeypatch):
-    """The private-name check is not vacuous: an import of one, and lookups on an imported module, are found."""
-    plant(tmp_path, monkeypatch, {
-        "a": "_X = 1\n\n\ndef _f():\n    return _X\n",
-        "b": "from sheafgnn.a import _X\n",
-        "c": "from sheafgnn import a\nimport sheafgnn.a\n\n\ndef g():\n    return a._f(), sheafgnn.a._X\n",
-    })
-    assert private_imports() == {("sheafgnn.b", "sheafgnn.a._X"), ("sheafgnn.c", "sheafgnn.a._f"),
-                                 ("sheafgnn.c", "sheafgnn.a._X")}
 
 
 EXAMPLE_PATCH_TYPE = Path(__file__).resolve().parent / "patch_types" / "line.py"

@@ -39,7 +39,7 @@ def test_saved_model_loads_and_gives_the_study_s_eval_loss(learned, saved_model)
     model = load_learned_model(saved_model)
     assert model.config.to_dict() == learned["model_config"] and not model.training
     seq = Y.generate(learned["n_eval"], learned["seed"])
-    data = LT._eval_site(seq, SiteConfig.from_dict(learned["site_config"]))
+    data = LT.sequence_site(seq, SiteConfig.from_dict(learned["site_config"]))
     assert next_token_loss(model, data, seq)["loss"] == pytest.approx(learned["loss_after"]["loss"], abs=1e-6)
 
 

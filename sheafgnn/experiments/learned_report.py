@@ -15,7 +15,7 @@ import torch
 
 from sheafgnn.experiments.learned_model import load_learned_model
 from sheafgnn.experiments.learned_routes import cut_chains, format_routes, plot_routes, route_losses, section_cuts
-from sheafgnn.experiments.learned_topology import _eval_site, run_learned
+from sheafgnn.experiments.learned_topology import run_learned, sequence_site
 from sheafgnn.experiments.report import label_loglog, power_law_label, pyplot, save_figure, write_json
 from sheafgnn.experiments.synthetic import generate
 
@@ -144,7 +144,7 @@ def saved_model_routes(ckpt_dir, n_eval: int = 32768, seed: int = 0, cut_chains_
     ``cut_chains_at_keys`` (a model trained with its chains cut is measured from its cut site)."""
     model = load_learned_model(ckpt_dir)
     seq = generate(n_eval, seed)
-    data = _eval_site(seq, model.config.site_config)
+    data = sequence_site(seq, model.config.site_config)
     site = cut_chains(data, section_cuts(seq)) if cut_chains_at_keys else None
     result = route_losses(model, data, seq, site=site)
     return {**result, "model": str(ckpt_dir), "n_eval": n_eval, "seed": seed, "cut_chains_at_keys": cut_chains_at_keys}

@@ -205,7 +205,7 @@ def _window_site(ids: Tensor, start: int, window: int, site_config: SiteConfig) 
     return data
 
 
-def _eval_site(seq: SyntheticSequence, site_config: SiteConfig) -> HeteroData:
+def sequence_site(seq: SyntheticSequence, site_config: SiteConfig) -> HeteroData:
     """The site of the whole sequence; ``y`` is the next token (-100 at the last position)."""
     data = build_site(seq.ids, site_config)
     y = torch.full_like(seq.ids, -100)
@@ -371,7 +371,7 @@ def run_learned(n_train: int = 1 << 20, n_eval: int = 32768, steps: int = 12000,
     train_seqs = [generate(window + 1, 1_000_003 * (seed + 1) + i, config)
                   for i in range(max(1, n_train // (window + 1)))]
     seq = generate(n_eval, seed, config)
-    data = _eval_site(seq, site_config)
+    data = sequence_site(seq, site_config)
     targets = long_range_targets(data, seq, hops)
     log = lambda msg: print(msg, flush=True) if verbose else None
     cuts = [section_cuts(s) for s in train_seqs] if cut_chains_at_keys else None

@@ -17,10 +17,10 @@
                  stream, last, token_rows, num_blocks, block_size, content_type, first_dst)
                  -> (source, dst, type, weight), (M k,) each
         the competition of a stream batch's new outputs, content proposals included, as the edges into them
-        (stream.compete_outputs)
+        (LearnedTopology.compete_outputs, sheafgnn.nn.topology_step)
     stream_keys(h (N, D), state (R, D), previous_row (T,), no_previous (T,), num_rows, query_weight, key_weight,
                 key_previous_weight) -> (query (N, r), key (num_rows, r))
-        the learned topology's queries and keys of a stream batch's new nodes (stream.new_queries_and_keys)
+        the learned topology's queries and keys of a stream batch's new nodes (LearnedTopology.queries_and_keys)
     glue_diag(x (N, D), src, ptr, edge_type, edge_weight, map_lin, map_type_emb, weight_channel, eps, x_src)
               -> (N, D)
         SheafConv with diag maps in inference, edges sorted by destination, sources in x_src (bipartite) or x

@@ -27,6 +27,7 @@ scores chunks of rows, O(n + chunk * n / B) memory
     best_blocks                         the best blocks per row (the C++ kernel, or:)
     ranked_blocks_reference, top_blocks the same in PyTorch, chunked; the masked top-k
     content_blocks                      the proposals of a batch of destinations (the full forward)
+    stream_blocks                       the best blocks of a stream batch's new rows (the streamed step)
     random_proposals                    the seeded random tokens
 """
 
@@ -238,3 +239,35 @@ def content_blocks(query: Tensor, token_key: Tensor, position: Tensor, graph_sta
     last = first + position // block_size  # (n,) one past the last qualifying block
     return best_blocks(summary_query(query.detach(), summary), block_key, block_start, first, last, num_blocks,
                        random_scores)
+
+
+@torch.no_grad()
+def stream_blocks(query: Tensor, stream: Tensor, last: Tensor, block_key: Tensor, num_blocks: int,
+                  one_per_stream: bool) -> Tensor:
+    """For each query row, the ``num_blocks`` best of its stream's blocks ``j < last`` (as :func:`best_blocks`).
+
+    Args:
+        query (Tensor): (M, r'), as :func:`summary_query` gives it.
+        stream (Tensor): (M,) stream of each row.
+        last (Tensor): (M,) one past the last block each row may choose.
+        block_key (Tensor): (J, streams, r') the summaries of every stream's complete blocks.
+        num_blocks (int): blocks kept per row.
+        one_per_stream (bool): each stream has at most one row (generation).
+
+    Returns:
+        (M, num_blocks) block indices (best first), -1 where fewer blocks qualify.
+    """
+    M, J = query.size(0), block_key.size(0)
+    if one_per_stream:  # all streams in one product
+        # Rows are in stream order, so with every stream present the keys need no gather (at 32k tokens
+        # and 16 streams the gather would copy 8 MB per block and step).
+        keys = block_key if M == block_key.size(1) else block_key[:, stream]
+        score = torch.einsum("mr,jmr->mj", query, keys)  # (M, J)
+        return top_blocks(score, None, last, num_blocks)
+    out = torch.full((M, num_blocks), -1, dtype=torch.long, device=query.device)
+    block_index = torch.arange(J, device=query.device)
+    for b in stream.unique().tolist():  # many rows per stream (a prompt): each stream's rows share its keys
+        rows = torch.nonzero(stream == b).squeeze(1)
+        out[rows] = best_blocks(query[rows], block_key[:, b], block_index, torch.zeros_like(rows), last[rows],
+                                num_blocks)
+    return out

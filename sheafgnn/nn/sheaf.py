@@ -39,9 +39,7 @@ from torch_geometric.typing import OptTensor, SparseTensor
 from torch_geometric.utils import is_torch_sparse_tensor
 
 from sheafgnn.nn import cpu_kernels
-from sheafgnn.nn.gluing import reads_by_stalk_dim, transport_sum
-from sheafgnn.nn.gluing import restrict as _restrict
-from sheafgnn.nn.gluing import weigh as _weigh
+from sheafgnn.nn.gluing import reads_by_stalk_dim, restrict, transport_sum, weigh
 from sheafgnn.nn.segment import (
     index_from_ptr,
     ptr_from_index,
@@ -402,7 +400,7 @@ class SheafConv(MessagePassing):
                                   dst_ptr=edges.ptr, msg_perm=edges.msg_perm, size=(N, N))
         # In place where autograd allows: each (N, d, f) temporary that does not fit a hole of the heap
         # extends it, and with two layers they were a tenth of the peak resident set at 32k tokens.
-        lap = _restrict(diag_block, Y).sub_(aggr)  # (N, d, f): the product's backward reads its inputs only
+        lap = restrict(diag_block, Y).sub_(aggr)  # (N, d, f): the product's backward reads its inputs only
         lap = self._normalize_laplacian(lap, edges)  # (N, d, f)
         if self.act is not None:
             lap = self.act(lap)
@@ -523,7 +521,7 @@ class SheafConv(MessagePassing):
     def _diagonal_block(self_block: Tensor, edges: _Edges) -> Tensor:
         r""":math:`\mathbf{L}_{vv} = \sum_{e \to v} \alpha_e F_v^\top F_v`,
         (N, d) or (N, d, d)."""
-        self_block = _weigh(edges.weight, self_block)
+        self_block = weigh(edges.weight, self_block)
         if edges.msg_perm is not None:
             self_block = self_block[edges.msg_perm]
         return segment_sum(self_block, edges.ptr)  # (N, d[, d])
@@ -549,8 +547,8 @@ class SheafConv(MessagePassing):
         r"""Per-edge gluing energy :math:`\| F_v X_v - F_u X_u \|^2`,
         (num_edges,) in the input edge order."""
         src, dst = edges.index
-        diff = (_restrict(maps_dst, X[dst])
-                - _restrict(maps_src, X[src]))  # (num_edges, d, f)
+        diff = (restrict(maps_dst, X[dst])
+                - restrict(maps_src, X[src]))  # (num_edges, d, f)
         energy = diff.square().sum(dim=(1, 2))  # (num_edges,)
         if edges.perm is not None:  # back to the input edge order
             energy = energy.new_empty(edges.num_edges).index_copy(
@@ -579,7 +577,7 @@ class SheafConv(MessagePassing):
     def message(self, y_j: Tensor, transport: Tensor,
                 alpha: OptTensor) -> Tensor:
         # (num_edges, d, f): alpha_e F_v^T F_u y_u, the source stalk transported
-        return _weigh(alpha, _restrict(transport, y_j))
+        return weigh(alpha, restrict(transport, y_j))
 
     def aggregate(self, inputs: Tensor, index: Tensor, dst_ptr: Tensor,
                   msg_perm: OptTensor = None,

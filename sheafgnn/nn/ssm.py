@@ -25,7 +25,8 @@ chain starts. State never crosses a chain start.
 
 The scan and its sequential reference are in :mod:`sheafgnn.nn.ssd`, the fused
 conv and gated-norm ops in :mod:`sheafgnn.nn.ssm_kernels`. ``SelectiveSSM.step`` runs the same
-block recurrently, O(1) per token, for generation.
+block recurrently, O(1) per token, for generation, and ``SelectiveSSM.continue_chains`` continues a
+stream's chains from a pool of states (:mod:`sheafgnn.stream`).
 """
 from __future__ import annotations
 
@@ -333,6 +334,31 @@ class SelectiveSSM(nn.Module):
         y, conv, ssm = kernel(x_t, state.conv, state.ssm, in_w, conv_w, conv_b, dt_bias, A_log, D, norm_w, eps, out_w,
                               *x_norm)
         return y, SSMState(conv, ssm)
+
+    def continue_chains(self, x: Tensor, reset: Tensor, pool: SSMState, rows: list[int],
+                        norm: nn.LayerNorm | None = None) -> tuple[Tensor, SSMState]:
+        """This SSM over chains of ``norm(x)`` (``x`` without ``norm``) that continue from rows ``rows`` of the state
+        batch ``pool`` (a chain not started yet has a zero state, as :meth:`init_state` gives): :meth:`step` where
+        every chain has one new element (generation), else :meth:`forward` from the rows' states. Returns the outputs
+        and the pool with those rows advanced (written in place, unless the rows are the whole pool in order).
+
+        Shapes:
+            - **input:** x (L, D), reset (L,) bool (each chain's first new element), ``len(rows)`` chains
+            - **output:** y (L, D), the pool
+        """
+        if not rows:  # no chain has new elements
+            return x, pool
+        every = rows == list(range(pool.conv.size(0)))  # generation with every stream: no gather, no scatter
+        index = None if every else torch.tensor(rows, device=x.device)
+        state = pool if every else SSMState(pool.conv[index], pool.ssm[index])
+        if x.size(0) == len(rows):  # one new element per chain (generation): the recurrent step
+            y, new = self.step(x, state, norm=norm)
+        else:
+            y, new = self(x, reset, state=state, return_state=True, norm=norm)
+        if every:
+            return y, new
+        pool.conv[index], pool.ssm[index] = new.conv, new.ssm
+        return y, pool
 
     def _step_kernel(self, x_t: Tensor, norm: nn.LayerNorm | None) -> tuple | None:
         """The ``ssm_step`` kernel, this layer's arguments to it and those of ``norm``, where it computes what

@@ -61,6 +61,7 @@ from torch_geometric.utils import softmax as segment_softmax
 from sheafgnn.nn.pools import pool_dot, pool_read
 from sheafgnn.nn.proposals import BLOCK_SUMMARIES, block_summaries, content_blocks, random_proposals, summary_query
 from sheafgnn.nn.segment import ptr_from_index
+from sheafgnn.nn.topology_step import TopologyStep
 
 SINK_THRESHOLD_INIT = -4.0  # the "nothing" logit at init under sink_threshold
 
@@ -143,7 +144,7 @@ class TopologyInput:
     token_graph_start: Tensor  # (num_tokens,) global index of the graph's first token
 
 
-class LearnedTopology(nn.Module):
+class LearnedTopology(TopologyStep, nn.Module):
     r"""Chooses the gluing edges: pools of candidates, top-k per destination, softmax weights.
 
     For a candidate :math:`e = (u \to v)` of type :math:`\tau`,
@@ -187,6 +188,8 @@ class LearnedTopology(nn.Module):
     Shapes:
         - **input:** node features :math:`(N, D)`, a :class:`TopologyInput`
         - **output:** a :class:`Selection` (kept edges, weights, scores, pool sizes)
+        - **step** (:mod:`sheafgnn.nn.topology_step`): a stream batch's new nodes :math:`(N, D)`, a
+          :class:`~sheafgnn.nn.inference.TopologyDelta` and the block's cache -> the edges into the new nodes
     """
 
     def __init__(self, channels: int, num_edge_types: int, num_node_types: int, k: int, rank: int = 16,
@@ -233,7 +236,7 @@ class LearnedTopology(nn.Module):
         # With it the learned-topology study learned to copy entity values (README); the plain model keeps 0.
         nn.init.constant_(self.sink, SINK_THRESHOLD_INIT if self.sink_threshold else 0.0)
 
-    def _score(self, dot: Tensor, edge_type: Tensor) -> Tensor:
+    def score(self, dot: Tensor, edge_type: Tensor) -> Tensor:
         """Scores from the query-key dot products of candidates listed one per row (E,) or of dense pools
         (M, P) (:func:`pool_dot`)."""
         if self.random_scores:  # seeded noise in place of every learned score
@@ -329,7 +332,7 @@ class LearnedTopology(nn.Module):
         stop = int(inp.rule_ptr[inp.outputs.start])  # edges into outputs are the sorted tail
         src, dst = inp.rule_index[:, :stop]
         edge_type = inp.rule_type[:stop]
-        score = self._score((q[dst] * k[src]).sum(-1), edge_type)  # (E_p,)
+        score = self.score((q[dst] * k[src]).sum(-1), edge_type)  # (E_p,)
         keep, weight = self.compete_sparse(score, dst, self.sink[inp.node_type[: inp.outputs.start]])
         pool = (inp.rule_index[:, :stop], edge_type, score) if return_candidates else None
         return (src[keep], dst[keep], edge_type[keep], weight, score[keep]), pool, edge_type
@@ -370,23 +373,41 @@ class LearnedTopology(nn.Module):
                 tokens = x[inp.tokens]  # (num_tokens, D)
                 block_keys = self.block_token_keys(tokens, self._previous(tokens, inp))  # (num_tokens, r)
         sources, types, blocks = self._output_pool(block_query, block_keys, inp)  # (num_out, P) each, (num_out, m)
-        valid = sources >= 0
-        score = self._score(pool_dot(q_out, k, sources.clamp(min=0)), types)  # (num_out, P)
-        score = score.masked_fill(~valid, float("-inf"))
         sink = self.sink[inp.node_type[inp.outputs]].unsqueeze(1)  # (num_out, 1)
-        top, pick, weight = self.compete_dense(score, sink)
+        score, top, src, edge_type, weight = self.compete_pools(q_out, k, sources, types, sink)  # (num_out, P), k each
         kept = torch.isfinite(top)
         dst = torch.arange(out0, out0 + q_out.size(0), device=q.device).unsqueeze(1)  # (num_out, 1)
-        src, edge_type = sources.gather(1, pick), types.gather(1, pick)
         kept_edges = (src[kept], dst.expand_as(top)[kept], edge_type[kept], weight[kept], top[kept])
         pool_read = self._pool_read(x, score, sink, sources) if return_pool_read else None
         block_loss = None
         if return_block_loss and self.block_scorer:
             block_loss = self.block_distillation(block_query, block_keys, inp, blocks, score, sink)
-        pool = None
+        pool, valid = None, sources >= 0  # (num_out, P)
         if return_candidates:
             pool = (torch.stack([sources[valid], dst.expand_as(sources)[valid]]), types[valid], score[valid])
         return kept_edges, pool, types[valid], pool_read, block_loss
+
+    def compete_pools(self, query: Tensor, keys: Tensor, sources: Tensor, types: Tensor,
+                      sink: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """The competition of destinations whose pools are rows, scored and then :meth:`compete_dense`: the
+        outputs' competition in :meth:`forward` and in :meth:`compete_outputs_reference` (the reference of the
+        C++ kernel ``stream_pools``).
+
+        Args:
+            query (Tensor): (M, r) the destinations' queries.
+            keys (Tensor): (R, r) the keys that the pools index.
+            sources (Tensor): (M, P) each destination's candidates, rows of ``keys`` (-1: padding).
+            types (Tensor): (M, P) their edge types.
+            sink (Tensor): (M, 1) each destination's "nothing" logit.
+
+        Returns:
+            the pool scores (M, P) (-inf at padding), and of the ``k`` columns each row keeps: their scores (-inf
+            where a pool has fewer), sources, edge types and softmax weights, (M, k) each.
+        """
+        score = self.score(pool_dot(query, keys, sources.clamp(min=0)), types)  # (M, P)
+        score = score.masked_fill(sources < 0, float("-inf"))
+        top, pick, weight = self.compete_dense(score, sink)
+        return score, top, sources.gather(1, pick), types.gather(1, pick), weight
 
     def _pool_read(self, x: Tensor, score: Tensor, sink: Tensor, sources: Tensor) -> Tensor:
         r"""(num_out, D) the softmax-weighted read of every output's *whole* pool,
