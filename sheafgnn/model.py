@@ -95,8 +95,8 @@ class SheafStateConfig(ConfigFile):
     shared_experts: bool = False  # one set of experts for every node type (the type embeddings still differ)
     glue_gate: bool = False  # h + g * (G(h) - h) with a per-channel g initialised at 0: the model starts as its SSM
     # the token states are the residual stream: each block's outputs start from their tokens, glue, and reach the
-    # tokens through a zero-initialised broadcast (then E on tokens and patches); R reads the tokens. At
-    # initialisation the model is its SSM exactly.
+    # tokens through the broadcast times a per-channel gate initialised at 0 (then E on tokens and patches); R reads
+    # the tokens. At initialisation the model is its SSM exactly.
     token_residual: bool = False
     shared_ssm: bool = False  # the patch chains run the token chain's SSM (its weights; their own norm)
     topology_k: int = 8  # candidates kept per destination (all edge types compete together)
@@ -198,8 +198,9 @@ class SheafBlock(nn.Module):
                               normalize="none")
         self.glue_gate = nn.Parameter(torch.zeros(D)) if config.glue_gate else None
         self.broadcast = nn.Linear(D, D, bias=False)
-        if self.token_residual:
-            nn.init.zeros_(self.broadcast.weight)
+        # ReZero / Flamingo: a gate of one entry per channel, not a zero matrix, which Adam would fill with entries
+        # of +-lr at every step (a D x D perturbation of the residual stream from the first steps)
+        self.broadcast_gate = nn.Parameter(torch.zeros(D)) if self.token_residual else None
 
     def forward(self, h: Tensor, site: FlatSite, extras: Extras = Extras()) -> tuple[Tensor, dict]:
         if not self.gluing:
@@ -271,11 +272,12 @@ class SheafBlock(nn.Module):
 
     def token_tail(self, glued: Tensor, type_ptr: list[int], num_tokens: int) -> tuple[Tensor, Tensor]:
         """``token_residual``'s E and broadcast on glued rows (N, D) (tokens first, outputs last): token t gets
-        output t's row through ``broadcast``, then tokens and patches their experts; the outputs are kept as they
-        are (the next block starts them from their tokens again). Returns the rows and the balance loss."""
+        output t's row through ``broadcast`` and its gate, then tokens and patches their experts; the outputs are
+        kept as they are (the next block starts them from their tokens again). Returns the rows and the balance
+        loss."""
         body, h_out = glued.split([glued.size(0) - num_tokens, num_tokens])  # (N - T, D), (T, D)
         h_tok, h_patch = body.split([num_tokens, body.size(0) - num_tokens])
-        body = torch.cat([h_tok + self.broadcast(h_out), h_patch])
+        body = torch.cat([torch.addcmul(h_tok, self.broadcast_gate, self.broadcast(h_out)), h_patch])
         update, balance = self.experts(body, self.expert_ptr(type_ptr[:-1]), self.norm_expert)
         return torch.cat([body + update, h_out]), balance
 

@@ -212,7 +212,8 @@ def test_ssm_ablation_has_no_gluing(full_config):
 @pytest.mark.parametrize("shared", [False, True])
 def test_token_residual_starts_as_its_ssm(full_config, shared):
     """With token_residual the sheaf model at initialisation computes what its ssm ablation computes: given the
-    ssm's weights for the shared parts, the logits are equal (the broadcast starts at zero); a causal model too."""
+    ssm's weights for the shared parts, the logits are equal (the broadcast's gate starts at zero); a causal model
+    too."""
     torch.manual_seed(0)
     options = dict(token_residual=True, shared_experts=shared, shared_ssm=shared)
     sheaf = SheafStateLM(_config(full_config, **options)).double().eval()
@@ -227,7 +228,7 @@ def test_token_residual_starts_as_its_ssm(full_config, shared):
     torch.testing.assert_close(sheaf(data), ssm(data), rtol=1e-12, atol=1e-12)
     with torch.no_grad():
         for block in sheaf.blocks:
-            block.broadcast.weight.normal_(0.0, 0.1)
+            block.broadcast_gate.normal_(0.0, 0.1)
     assert not torch.allclose(sheaf(data), ssm(data), atol=1e-6)  # the gluing reaches the logits through it
     assert_logits_causal(sheaf, CODE, trials=2, atol=1e-8)
 

@@ -45,11 +45,10 @@ def test_stream_equals_full_forward(full_config, text, chunk):
 
 
 def _gate_open(model: SheafStateLM) -> SheafStateLM:
-    """The gluing gates and token_residual's broadcast (zero at init) set to random values, so that the gluing
-    enters the logits."""
+    """The gluing gates (zero at init) set to random values, so that the gluing enters the logits."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("glue_gate") or (name.endswith("broadcast.weight") and not p.any()):
+            if name.endswith(("glue_gate", "broadcast_gate")):
                 p.normal_(0.0, 0.2)
     return model
 
