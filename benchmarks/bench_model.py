@@ -39,10 +39,9 @@ Peak memory is the peak resident set of the process during the step minus
 the resident set before it (see :class:`sheafgnn.memory.PeakMemory`); the
 site is built before the step and is not timed.
 
-This process calls nothing but the model, as a library user would: the model
-tunes glibc's allocator and oneDNN's cache itself when it is built (``tune_cpu_allocator``,
-:func:`sheafgnn.memory.tune_cpu_process`). Step 1 runs a second time in a fresh
-process with ``tune_cpu_allocator=False`` (``--untuned``; the setting is
+This process tunes glibc's allocator and oneDNN's cache first, as the
+``sheafgnn`` command and the training loop do (:func:`sheafgnn.tune_cpu`). Step 1
+runs a second time in a fresh process without it (``--untuned``; the setting is
 process-wide, so it needs its own process): what the setting buys. Every
 later step of this process, dense's included, runs under the tuned allocator.
 
@@ -72,7 +71,7 @@ from torch_geometric.loader import DataLoader
 from sheafgnn.data import WindowDataset, corpus_ids
 from sheafgnn.experiments.report import pyplot, save_figure
 from sheafgnn.lm import build_model, matched_options
-from sheafgnn.memory import PeakMemory, tune_cpu_process
+from sheafgnn.memory import PeakMemory, tune_cpu
 from sheafgnn.model import SheafStateConfig, SheafStateLM
 from sheafgnn.nn import cpu_kernels
 from sheafgnn.nn.gluing import transport_sum, transport_sum_reference
@@ -131,11 +130,12 @@ def proposal_cost(sizes: list[int], config: SheafStateConfig, repeats: int) -> l
     torch.manual_seed(0)
     rows = []
     for n in sizes:
-        query, keys = torch.randn(n, config.topology_rank), torch.randn(n, config.topology_rank)
+        query, keys = torch.randn(n, config.topology.rank), torch.randn(n, config.topology.rank)
         position, start = torch.arange(n), torch.zeros(n, dtype=torch.long)
 
         def run(query=query, keys=keys, position=position, start=start):
-            return content_blocks(query, keys, position, start, config.proposal_block, config.content_blocks)
+            return content_blocks(query, keys, position, start, config.topology.block_size,
+                                  config.topology.content_blocks)
 
         row = {"n": n, "kernel": cpu_kernels.block_topk() is not None, "content_proposals_s": best_of(run, repeats)}
         chosen = run()
@@ -178,7 +178,7 @@ def fwd_bwd_here(kind: str, n: int, repeats: int, extra: dict, memory: bool) -> 
     """Forward+backward seconds (best of ``repeats``, after a warm-up step) of one n-token window of the
     compare-size model, and with ``memory`` its peak extra memory (one more step, timed apart: PeakMemory
     trims the heap first, so that step pays cold pages)."""
-    tune_cpu_process()  # what building a sheaf model does (tune_cpu_allocator): dense gets the same
+    tune_cpu()  # what the sheafgnn command and the training loop do: both kinds alike
     ids = corpus_ids(n + 1)
     model, site = compare_model(kind, extra)
     data = build_site(ids[:n], site)
@@ -203,7 +203,7 @@ def sheaf_vs_dense(n: int, repeats: int) -> dict:
     options, counts = compare_options()
     out = {"n": n, "params": {k: counts[k] for k in ("sheaf", "dense")},
            "d_model": {k: options[k]["d_model"] for k in ("sheaf", "dense")}}
-    runs = (("sheaf", "sheaf", {}), ("sheaf_recompute_ssm", "sheaf", {"recompute_ssm": True}),
+    runs = (("sheaf", "sheaf", {}), ("sheaf_recompute_ssm", "sheaf", {"ssm": {"recompute": True}}),
             ("sheaf_checkpoint", "sheaf", {"checkpoint_blocks": True}), ("dense", "dense", {}))
     for name, kind, extra in runs:
         row = fwd_bwd(kind, n, repeats, extra)
@@ -277,7 +277,7 @@ def train_throughput(context: int, batch_size: int, steps: int, rounds: int) -> 
 
 
 def untuned_scaling(args: argparse.Namespace) -> dict:
-    """Step 1 in a fresh process with ``tune_cpu_allocator=False`` (``--untuned``); its rows and slopes."""
+    """Step 1 in a fresh process without :func:`sheafgnn.tune_cpu` (``--untuned``); its rows and slopes."""
     with tempfile.TemporaryDirectory() as tmp:
         command = [sys.executable, __file__, "--untuned", "--out", tmp, "--threads", str(args.threads),
                    "--repeats", str(args.repeats), "--d-model", str(args.d_model), "--layers", str(args.layers),
@@ -396,7 +396,7 @@ def main() -> None:
     parser.add_argument("--estimate-dense-long", action="store_true",
                         help="step 5b: estimate dense at 2 x --compare-n from its fit only, without measuring it "
                              "(saves about 10 minutes)")
-    parser.add_argument("--untuned", action="store_true", help="step 1 only, with tune_cpu_allocator=False "
+    parser.add_argument("--untuned", action="store_true", help="step 1 only, without sheafgnn.tune_cpu() "
                         "(writes model_untuned.json)")
     parser.add_argument("--fwd-bwd", metavar="JSON", help="one fwd_bwd_here measurement (its JSON arguments), "
                         "printed as JSON: the fresh process of steps 5 and 5b")
@@ -407,18 +407,20 @@ def main() -> None:
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    config = SheafStateConfig(d_model=args.d_model, n_layers=args.layers, tune_cpu_allocator=not args.untuned)
+    config = SheafStateConfig(d_model=args.d_model, n_layers=args.layers)
+    if not args.untuned:
+        tune_cpu()  # as a user's run does (the sheafgnn command, the training loop)
     if args.untuned:
         rows = model_scaling(args.sizes, args.repeats, config)
         (out / "model_untuned.json").write_text(json.dumps({"model": rows, "slopes_4k_up": scaling_slopes(rows)}))
         return
-    print("1b. SheafStateLM forward+backward in a fresh process, tune_cpu_allocator=False")
+    print("1b. SheafStateLM forward+backward in a fresh process, without sheafgnn.tune_cpu()")
     untuned = untuned_scaling(args)
 
-    print("1. SheafStateLM forward+backward, as a user runs it (the model tunes the allocator)")
+    print("1. SheafStateLM forward+backward, as a user runs it (sheafgnn.tune_cpu())")
     rows = model_scaling(args.sizes, args.repeats, config)
     slopes = scaling_slopes(rows)
-    for name, value in (("as built", slopes), ("tune_cpu_allocator=False", untuned["slopes_4k_up"])):
+    for name, value in (("tuned", slopes), ("untuned", untuned["slopes_4k_up"])):
         print(f"  log-log slope 4k..{rows[-1]['n']}, {name}: time {value['time']:.3f}, "
               f"memory {value['memory']:.3f} (target <= 1.1)")
     print("2. SheafConv vs gather + segment_csr (50k nodes, 8 in-edges each, width 128)")

@@ -153,7 +153,7 @@ def stage_specs(stage: str, models: tuple[str, ...], best: dict[str, float], siz
             for seed in SEEDS:
                 flags = task_flags("mqar", n, pairs, sizes) + ["--models", "sheaf", "--lr", f"{best['sheaf']:g}",
                                                                "--seed", str(seed), "--sheaf",
-                                                               json.dumps({"map_kind": map_kind})]
+                                                               json.dumps({"gluing": {"map_kind": map_kind}})]
                 specs.append((run_name("mqar", n, "sheaf", best["sheaf"], seed, map_kind), flags))
         return specs
     runs = {"sizes": [("mqar", n, p) for n, p in sizes["mqar"]],
@@ -186,8 +186,8 @@ def curves(out: Path) -> dict:
         data = json.loads(report.read_text())
         for task, r in data["tasks"].items():
             for model, m in r["models"].items():
-                kind = model if data["config"]["sheaf"].get("map_kind", "diag") == "diag" or model != "sheaf" \
-                    else f"sheaf {data['config']['sheaf']['map_kind']}"
+                map_kind = data["config"]["sheaf"].get("gluing", {}).get("map_kind", "diag")
+                kind = model if map_kind == "diag" or model != "sheaf" else f"sheaf {map_kind}"
                 runs.setdefault((task, r["train_len"]), []).append((kind, data["config"]["seed"], m["curve"]))
     if not runs:
         return {}

@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from sheafgnn.checkpoint import CheckpointError
 from sheafgnn.config import ArgumentParser, at_least
+from sheafgnn.memory import tune_cpu
 from sheafgnn.optional import MissingExtra
 from sheafgnn.train import TrainingDiverged
 
@@ -302,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run ``sheafgnn ARGV``; return the exit status (2 and one line on stderr for bad input)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     command = argv[0] if argv else ""
+    tune_cpu()  # process-wide allocator settings that change no result (sheafgnn.memory)
     try:
         if command in DELEGATED:
             module, function = DELEGATED[command]

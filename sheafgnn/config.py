@@ -4,6 +4,7 @@ overrides, and print themselves; and the command line's one-line-error argument 
 from __future__ import annotations
 
 import argparse
+import copy
 import difflib
 import functools
 import json
@@ -13,7 +14,7 @@ import tomllib
 import types
 import typing
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, fields
+from dataclasses import fields
 from pathlib import Path
 
 import yaml
@@ -38,7 +39,9 @@ class ConfigFile:
     """Mixin for ``@dataclass`` configs: ``to_dict``/``from_dict``/``load``/``save``/``with_overrides``/``str``."""
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields as plain values; a nested config as its own ``to_dict()``."""
+        return {f.name: value.to_dict() if isinstance(value, ConfigFile) else copy.deepcopy(value)
+                for f in fields(self) for value in [getattr(self, f.name)]}
 
     @classmethod
     def from_dict(cls, values: dict):

@@ -138,17 +138,23 @@ def build_model(kind: str, options: dict, vocab_size: int, site: dict | None = N
         return SequenceLM(CausalTransformer(TransformerConfig(**attention_options(kind, options))))
     from sheafgnn.model import SheafStateConfig, SheafStateLM
 
+    options = SheafStateConfig.nested(options)
     _check_fields(SheafStateConfig, options, kind)
-    site = dict(site or {})
-    if options.get("site", site) != site:
+    from sheafgnn.site import SiteConfig
+
+    site = SiteConfig.from_dict(dict(site or {}))
+    given = options.get("site", site)
+    if (given if isinstance(given, SiteConfig) else SiteConfig.from_dict(given)) != site:
         raise ValueError("build_model: model_config.site differs from the data's site rules; set the site "
                          "options once, in the training config's top-level `site`")
     options["site"] = site
     if kind == "ssm":
-        if options.get("gluing", False):
-            raise ValueError("build_model: model 'ssm' is the sheaf model with gluing off; drop model_config.gluing")
-        options["gluing"] = False
-    return SheafStateLM(SheafStateConfig(**options))
+        gluing = dict(options.get("gluing") or {})
+        if gluing.get("mode", "off") != "off":
+            raise ValueError("build_model: model 'ssm' is the sheaf model with gluing off; drop "
+                             "model_config.gluing.mode")
+        options["gluing"] = {**gluing, "mode": "off"}
+    return SheafStateLM(SheafStateConfig.from_dict(options))
 
 
 def count_model_parameters(kind: str, options: dict, vocab_size: int, site: dict | None = None) -> int:
@@ -161,7 +167,13 @@ def count_model_parameters(kind: str, options: dict, vocab_size: int, site: dict
 
 def _match_ssm_width(target: int, base: dict, vocab_size: int, tolerance: float) -> dict:
     """The ssm options (sheaf options, gluing off) whose d_model brings it closest to ``target`` parameters."""
-    stalk, headdim, expand = base.get("stalk_dim", 4), base.get("headdim", 32), base.get("expand", 2)
+    from sheafgnn.model import SheafStateConfig
+
+    defaults = SheafStateConfig()
+    ssm, gluing = base.get("ssm") or {}, base.get("gluing") or {}
+    base = {**base, "gluing": {**gluing, "mode": "off"}}
+    stalk = gluing.get("stalk_dim", defaults.gluing.stalk_dim)
+    headdim, expand = ssm.get("headdim", defaults.ssm.headdim), ssm.get("expand", defaults.ssm.expand)
     step = math.lcm(stalk, headdim // math.gcd(headdim, expand))  # keeps stalk_dim | d and headdim | d * expand
     count = lambda k: count_model_parameters("ssm", {**base, "d_model": k * step}, vocab_size)
     lo, hi = 1, 1
@@ -197,6 +209,9 @@ def matched_options(kinds: tuple[str, ...], sheaf_options: dict, vocab_size: int
     Returns:
         ``(options, counts)``: ``build_model`` options and parameter counts, per kind.
     """
+    from sheafgnn.model import SheafStateConfig
+
+    sheaf_options = SheafStateConfig.nested(sheaf_options)
     target = count_model_parameters("sheaf", sheaf_options, vocab_size, site)
     n_layers = sheaf_options.get("n_layers", 2)
     options, counts = {}, {}

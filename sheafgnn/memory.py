@@ -154,9 +154,10 @@ def bound_onednn_cache(capacity: int = ONEDNN_CACHE_CAPACITY) -> bool:
     return True
 
 
-def tune_cpu_process() -> dict:
+def tune_cpu() -> dict:
     """Both process-wide settings for training on the CPU: glibc's thresholds (:func:`keep_freed_memory`)
-    and oneDNN's primitive cache (:func:`bound_onednn_cache`); returns which took."""
+    and oneDNN's primitive cache (:func:`bound_onednn_cache`); returns which took. An explicit call (the
+    ``sheafgnn`` command, the training loop, the benchmarks): building a model changes no process setting."""
     return {"glibc": keep_freed_memory(), "onednn_cache": bound_onednn_cache()}
 
 

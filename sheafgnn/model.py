@@ -41,6 +41,7 @@ the Mamba-style ablation (``ssm`` in the comparisons).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -49,21 +50,28 @@ from torch.utils.checkpoint import checkpoint
 from torch_geometric.data import HeteroData
 
 from sheafgnn.config import ConfigFile
-from sheafgnn.memory import tune_cpu_process
 from sheafgnn.nn import cpu_kernels
-from sheafgnn.nn.experts import PatchExperts
+from sheafgnn.nn.experts import ExpertsConfig, PatchExperts
 from sheafgnn.nn.inference import LayerCache, RowBuffer
-from sheafgnn.nn.proposals import BLOCK_SUMMARIES, summary_width
-from sheafgnn.nn.quant import apply_quant, validate_quant
+from sheafgnn.nn.proposals import summary_width
+from sheafgnn.nn.quant import QuantConfig, apply_quant
 from sheafgnn.nn.readout import readout_cross_entropy
 from sheafgnn.nn.segment import gather_segment_mean, ptr_from_index
-from sheafgnn.nn.sheaf import SheafConv
-from sheafgnn.nn.ssm import SelectiveSSM
-from sheafgnn.nn.topology import LearnedTopology, Selection, TopologyInput
+from sheafgnn.nn.sheaf import MAP_KINDS, SheafConv
+from sheafgnn.nn.ssm import SSMConfig
+from sheafgnn.nn.topology import Selection, TopologyConfig, TopologyInput
 from sheafgnn.site.builder import validate_site
 from sheafgnn.site.flat import FLAT_TYPES, FlatSite, flatten_site
 from sheafgnn.site.patches import RULES
-from sheafgnn.site.schema import CHAINED_TYPES, GLUE_EDGES, NODE_ATTRIBUTES, NODE_TYPES, SiteConfig
+from sheafgnn.site.schema import (
+    CHAINED_TYPES,
+    CONTENT_EDGE,
+    GLUE_EDGES,
+    NODE_ATTRIBUTES,
+    NODE_TYPES,
+    RANDOM_EDGE,
+    SiteConfig,
+)
 from sheafgnn.stream import SheafStream, StreamDelta
 
 
@@ -77,87 +85,130 @@ class Extras:
     block_loss: bool = False  # the block scorer's distillation loss (in training)
 
 
+GLUING_MODES = ("tokens", "outputs", "off")
+
+
+@dataclass
+class GluingConfig(ConfigFile):
+    """G of :class:`SheafStateLM`: where the gluing's messages go and the sheaf that transports them."""
+
+    # "tokens": the token states are the residual stream; each block's outputs start from their tokens, glue, and
+    # reach the tokens through the broadcast times a per-channel gate initialised at 0, so that the model starts as
+    # its ssm ablation; R reads the tokens. "outputs": the outputs keep their own states across blocks, R reads
+    # them, and each block adds their broadcast to the tokens. "off": no patches, no gluing (the ssm ablation).
+    mode: str = "outputs"
+    stalk_dim: int = 4  # d, the stalk dimension of the sheaf (d_model = d * channels)
+    map_kind: str = "diag"  # restriction maps: diag | orthogonal | general | identity (SheafConv)
+    gate: bool = False  # "outputs": h + g * (G(h) - h) with a per-channel g initialised at 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in GLUING_MODES:
+            raise ValueError(f"GluingConfig: mode must be one of {GLUING_MODES} (got {self.mode!r})")
+        if self.map_kind not in MAP_KINDS or self.stalk_dim < 1:
+            raise ValueError(f"GluingConfig: need map_kind in {MAP_KINDS} and stalk_dim >= 1 "
+                             f"(got {self.map_kind!r} and {self.stalk_dim})")
+
+
+# The flat keys of SheafStateConfig before it was nested: key -> (group, field). They still load, with a
+# deprecation warning (configs and checkpoints written before keep working).
+FLAT_KEYS = {
+    "stalk_dim": ("gluing", "stalk_dim"), "map_kind": ("gluing", "map_kind"), "glue_gate": ("gluing", "gate"),
+    "d_state": ("ssm", "d_state"), "expand": ("ssm", "expand"), "headdim": ("ssm", "headdim"),
+    "chunk_size": ("ssm", "chunk_size"), "recompute_ssm": ("ssm", "recompute"), "shared_ssm": ("ssm", "shared"),
+    "expert_mult": ("experts", "mult"), "num_experts": ("experts", "num_experts"),
+    "shared_experts": ("experts", "shared"), "balance_weight": ("experts", "balance_weight"),
+    "topology_k": ("topology", "k"), "topology_rank": ("topology", "rank"),
+    "content_blocks": ("topology", "content_blocks"), "proposal_block": ("topology", "block_size"),
+    "random_proposals": ("topology", "random_proposals"), "block_summary": ("topology", "block_summary"),
+    "block_scorer": ("topology", "block_scorer"), "block_loss_weight": ("topology", "block_loss_weight"),
+    "sink_threshold": ("topology", "sink_threshold"), "pool_loss_weight": ("topology", "pool_loss_weight"),
+    "keep_cost": ("topology", "keep_cost"),
+}
+
+
+def nest_flat_keys(values: dict) -> tuple[dict, list[str]]:
+    """``values`` with the flat keys of :data:`FLAT_KEYS` (and ``gluing: bool``, ``token_residual``,
+    ``tune_cpu_allocator``) moved to their groups; returns the nested values and what was moved, for the message."""
+    out, moved, mode = dict(values), [], None
+    if isinstance(out.get("gluing"), bool) or "token_residual" in out:  # gluing was a switch, token_residual a mode
+        on = out.pop("gluing") if isinstance(out.get("gluing"), bool) else True
+        residual = out.pop("token_residual", False)
+        mode = "off" if not on else "tokens" if residual else "outputs"
+        moved.append(f"gluing / token_residual -> gluing.mode: {mode}")
+    for key in [k for k in out if k in FLAT_KEYS]:
+        group, name = FLAT_KEYS[key]
+        out[group] = {**out.get(group, {}), name: out.pop(key)}
+        moved.append(f"{key} -> {group}.{name}")
+    if mode is not None:
+        out["gluing"] = {**out.get("gluing", {}), "mode": mode}
+    if "tune_cpu_allocator" in out:
+        out.pop("tune_cpu_allocator")
+        moved.append("tune_cpu_allocator: dropped (call sheafgnn.tune_cpu(): a model no longer changes process "
+                     "settings)")
+    return out, moved
+
+
 @dataclass
 class SheafStateConfig(ConfigFile):
-    """Hyperparameters of :class:`SheafStateLM`; loads from and saves to YAML/TOML/JSON."""
+    """Hyperparameters of :class:`SheafStateLM`, one group per part of M it builds; loads from and saves to
+    YAML/TOML/JSON (``print(config)`` shows every field). The flat keys of earlier versions (``topology_rank``,
+    ``map_kind``, ...) still load, with a deprecation warning naming their new place (:data:`FLAT_KEYS`)."""
 
     vocab_size: int = 256  # tokenizer vocabulary (256: byte tokenizer)
     d_model: int = 128  # stalk width D = stalk_dim * channels
     n_layers: int = 2  # blocks of (Phi, pool, G, E, broadcast)
-    stalk_dim: int = 4  # d, the stalk dimension of the sheaf
-    map_kind: str = "diag"  # restriction maps: diag | orthogonal | general
-    d_state: int = 16  # SSM state size N
-    expand: int = 2  # SSM inner width = expand * d_model
-    headdim: int = 32  # SSM head dimension P
-    chunk_size: int = 64  # SSD chunk length
-    expert_mult: int = 2  # expert hidden width = expert_mult * d_model
-    num_experts: int = 1  # experts per node type (> 1: top-1 routing + balance loss)
-    shared_experts: bool = False  # one set of experts for every node type (the type embeddings still differ)
-    glue_gate: bool = False  # h + g * (G(h) - h) with a per-channel g initialised at 0: the model starts as its SSM
-    # the token states are the residual stream: each block's outputs start from their tokens, glue, and reach the
-    # tokens through the broadcast times a per-channel gate initialised at 0 (then E on tokens and patches); R reads
-    # the tokens. At initialisation the model is its SSM exactly.
-    token_residual: bool = False
-    shared_ssm: bool = False  # the patch chains run the token chain's SSM (its weights; their own norm)
-    topology_k: int = 8  # candidates kept per destination (all edge types compete together)
-    topology_rank: int = 16  # width r of the topology's query/key projections
-    content_blocks: int = 2  # content-addressed blocks proposed per output (0: off)
-    proposal_block: int = 16  # tokens per content block B
-    random_proposals: int = 4  # seeded random past tokens proposed per output
-    # next-token loss read from each block's whole pools (trains the choice; 0: skipped). Off by default: on text it
-    # costs 15-25% of training speed and does not pay (ablation.md: -0.060 bits/byte with it off, seed noise 0.031);
-    # the dependency tasks and the learned-topology study switch it on
-    pool_loss_weight: float = 0.0
-    # content blocks scored by a scorer of their own (LearnedTopology block_scorer), trained by distillation from the
-    # token scores with this weight (block_distillation: its only signal). Off by default: MQAR (128, 8) learned from
-    # session 9's initialisation without it, and from none of five runs with it (README)
-    block_scorer: bool = False
-    block_loss_weight: float = 1.0
-    # how a content block's token keys are summarised for its score: "mean" (NSA / MoBA) or "bounds" (Quest: the
-    # channel-wise max and min, an upper bound of the block's best token score; LearnedTopology, summarize_blocks)
-    block_summary: str = "mean"
-    # keep only the candidates that outscore the destination's "nothing" logit (LearnedTopology sink_threshold): a
-    # destination may keep no edge, so the kept topology can be sparser than k per destination
-    sink_threshold: bool = False
-    # training: this weight times the expected kept edges per node, sum over kept e of sigmoid(s_e - s_sink), so
-    # that an edge stays only where its message pays more than it costs. Off: at 0.02 the learned-topology study
-    # kept a few hundred edges but learned no long-range dependency, and MQAR (128, 8) stalled at chance (README)
-    keep_cost: float = 0.0
-    balance_weight: float = 1e-2  # weight of the experts' load-balancing loss
     num_topics: int = 64  # topic ids embedded (ids wrap modulo this)
-    gluing: bool = True  # False: Phi + token feed-forward only (the ssm ablation)
     validate_sites: bool = True  # run validate_site (schema + causality) on every input; O(edges)
     checkpoint_blocks: bool = False  # training: recompute each block in backward (torch.utils.checkpoint)
-    # training: recompute each SSM's conv, scan and gated norm in backward (SelectiveSSM recompute): 0.73-0.84x
-    # dense's peak memory at 32k tokens instead of 0.83-0.90x, for +8-18% step time (bench_model.py, README)
-    recompute_ssm: bool = False
-    tune_cpu_allocator: bool = True  # construction calls sheafgnn.memory.tune_cpu_process (process-wide settings)
-    site: dict = field(default_factory=dict)  # SiteConfig fields for build_site
-    quant: dict = field(default_factory=dict)  # QuantVect {maps, experts, map_values}: none|int8|int4|ternary
+    ssm: SSMConfig = field(default_factory=SSMConfig)  # Phi
+    gluing: GluingConfig = field(default_factory=GluingConfig)  # G and where it enters
+    topology: TopologyConfig = field(default_factory=TopologyConfig)  # the candidate pools and the choice
+    experts: ExpertsConfig = field(default_factory=ExpertsConfig)  # E
+    site: SiteConfig = field(default_factory=SiteConfig)  # (C, J): how text becomes a site
+    quant: QuantConfig = field(default_factory=QuantConfig)  # QuantVect
 
     def __post_init__(self) -> None:
-        if self.d_model % self.stalk_dim != 0:
-            raise ValueError(f"SheafStateConfig: stalk_dim must divide d_model "
-                             f"(got {self.stalk_dim} and {self.d_model})")
-        if min(self.pool_loss_weight, self.block_loss_weight, self.keep_cost) < 0:
-            raise ValueError(f"SheafStateConfig: pool_loss_weight, block_loss_weight and keep_cost must be >= 0 "
-                             f"(got {self.pool_loss_weight}, {self.block_loss_weight} and {self.keep_cost})")
-        if self.topology_k < 1 or self.proposal_block < 1 or min(self.content_blocks, self.random_proposals) < 0:
-            raise ValueError(f"SheafStateConfig: need topology_k >= 1, proposal_block >= 1 and content_blocks, "
-                             f"random_proposals >= 0 (got {self.topology_k}, {self.proposal_block}, "
-                             f"{self.content_blocks}, {self.random_proposals})")
-        if self.block_summary not in BLOCK_SUMMARIES:
-            raise ValueError(f"SheafStateConfig: block_summary must be one of {BLOCK_SUMMARIES} "
-                             f"(got {self.block_summary!r})")
-        if self.n_layers < 1 or self.vocab_size < 2:
-            raise ValueError(f"SheafStateConfig: need n_layers >= 1 and vocab_size >= 2 "
-                             f"(got {self.n_layers} and {self.vocab_size})")
-        SiteConfig.from_dict(self.site)  # validate early
-        validate_quant(self.quant, "SheafStateConfig.quant")
+        for name, kind in NESTED.items():  # mappings (from YAML or a caller) become their config
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                setattr(self, name, kind.from_dict(value))
+            elif not isinstance(value, kind):
+                raise ValueError(f"SheafStateConfig: {name} must be a {kind.__name__} or a mapping "
+                                 f"(got {type(value).__name__})")
+        if self.d_model % self.gluing.stalk_dim != 0:
+            raise ValueError(f"SheafStateConfig: gluing.stalk_dim must divide d_model "
+                             f"(got {self.gluing.stalk_dim} and {self.d_model})")
+        if self.n_layers < 1 or self.vocab_size < 2 or self.num_topics < 1:
+            raise ValueError(f"SheafStateConfig: need n_layers >= 1, vocab_size >= 2 and num_topics >= 1 "
+                             f"(got {self.n_layers}, {self.vocab_size} and {self.num_topics})")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> SheafStateConfig:
+        """The config of ``values``; flat keys of earlier versions move to their groups (:meth:`nested`)."""
+        return super().from_dict(cls.nested(values))
+
+    @staticmethod
+    def nested(values: dict) -> dict:
+        """``values`` with the flat keys of earlier versions moved to their groups (:func:`nest_flat_keys`), and a
+        :class:`FutureWarning` that names each move."""
+        nested, moved = nest_flat_keys(values)
+        if moved:
+            warnings.warn("SheafStateConfig: these flat keys are deprecated and were moved: " + "; ".join(moved),
+                          FutureWarning, stacklevel=3)
+        return nested
 
     @property
     def site_config(self) -> SiteConfig:
-        return SiteConfig.from_dict(self.site)
+        return self.site
+
+    @property
+    def glues(self) -> bool:
+        """Whether the model glues (False: the ssm ablation)."""
+        return self.gluing.mode != "off"
+
+
+NESTED = {"ssm": SSMConfig, "gluing": GluingConfig, "topology": TopologyConfig, "experts": ExpertsConfig,
+          "site": SiteConfig, "quant": QuantConfig}
 
 
 def topology_input(site: FlatSite) -> TopologyInput:
@@ -171,32 +222,26 @@ class SheafBlock(nn.Module):
 
     def __init__(self, config: SheafStateConfig) -> None:
         super().__init__()
-        D = config.d_model
-        ssm_args = dict(d_state=config.d_state, expand=config.expand, headdim=config.headdim,
-                        chunk_size=config.chunk_size, recompute=config.recompute_ssm)
-        self.gluing = config.gluing
+        D, experts, gluing = config.d_model, config.experts, config.gluing
+        self.gluing = config.glues
         self.norm_token = nn.LayerNorm(D)
-        self.phi_token = SelectiveSSM(D, **ssm_args)
+        self.phi_token = config.ssm.module(D)
         self.norm_expert = nn.LayerNorm(D)
-        self.by_type = config.gluing and not config.shared_experts
-        self.token_residual = config.gluing and config.token_residual
+        self.by_type = self.gluing and not experts.shared
+        self.token_residual = gluing.mode == "tokens"
         num_types = len(FLAT_TYPES) - self.token_residual  # token_residual: the outputs have no expert
-        self.experts = PatchExperts(D, num_types if self.by_type else 1, config.expert_mult * D,
-                                    config.num_experts)
-        if not config.gluing:
+        self.experts = PatchExperts(D, num_types if self.by_type else 1, experts.mult * D, experts.num_experts)
+        if not self.gluing:
             return
         self.pool = nn.Linear(D, D, bias=False)
         self.norm_patch = nn.LayerNorm(D)
-        self.phi_patch = self.phi_token if config.shared_ssm else SelectiveSSM(D, **ssm_args)
-        self.topology = LearnedTopology(D, len(GLUE_EDGES), len(FLAT_TYPES), config.topology_k,
-                                        rank=config.topology_rank, content_blocks=config.content_blocks,
-                                        block_size=config.proposal_block, random_proposals=config.random_proposals,
-                                        block_scorer=config.block_scorer, block_summary=config.block_summary,
-                                        sink_threshold=config.sink_threshold)
+        self.phi_patch = self.phi_token if config.ssm.shared else config.ssm.module(D)
+        self.topology = config.topology.module(D, len(GLUE_EDGES), len(FLAT_TYPES), GLUE_EDGES.index(CONTENT_EDGE),
+                                               GLUE_EDGES.index(RANDOM_EDGE))
         # The softmax weights of the selection already normalise each destination's messages.
-        self.glue = SheafConv(D, config.stalk_dim, map_kind=config.map_kind, num_edge_types=len(GLUE_EDGES),
+        self.glue = SheafConv(D, gluing.stalk_dim, map_kind=gluing.map_kind, num_edge_types=len(GLUE_EDGES),
                               normalize="none")
-        self.glue_gate = nn.Parameter(torch.zeros(D)) if config.glue_gate else None
+        self.glue_gate = nn.Parameter(torch.zeros(D)) if gluing.gate else None
         self.broadcast = nn.Linear(D, D, bias=False)
         # ReZero / Flamingo: a gate of one entry per channel, not a zero matrix, which Adam would fill with entries
         # of +-lr at every step (a D x D perturbation of the residual stream from the first steps)
@@ -349,12 +394,6 @@ class SheafStateLM(nn.Module):
         self.blocks = nn.ModuleList(SheafBlock(config) for _ in range(config.n_layers))
         self.norm_out = nn.LayerNorm(D)
         self.reset_parameters()
-        if config.tune_cpu_allocator:
-            # Linear cost needs it: glibc unmaps every freed buffer over 32 MiB, so each large activation of
-            # a long context pays its page faults again on every step (fwd+bwd slope 1.32 instead of 1.05
-            # from 4k to 64k tokens, benchmarks/bench_model.py); and oneDNN's cache of a primitive per
-            # shape fragments the heap as the sites change (bench_train_memory.py). Process-wide.
-            tune_cpu_process()
         apply_quant(self, config.quant)  # fake-quantised maps / experts (sheafgnn.nn.quant); no-op if empty
 
     def reset_parameters(self) -> None:
@@ -386,7 +425,7 @@ class SheafStateLM(nn.Module):
         """Initial states of flat nodes (FLAT_TYPES order): token ids, the node types and type offsets, and per
         patch type with a node attribute (NODE_ATTRIBUTES) its nodes' attribute; tokens only without gluing
         (then the other arguments are ignored)."""
-        if not self.config.gluing:
+        if not self.config.glues:
             return self.token_embedding(token_ids) + self.type_embedding.weight[0]  # (num_tokens, D)
         h = self.type_embedding(node_type)  # (N, D)
         # In place on h's blocks (views): no (N, D) cat, and a generation step's two rows in a few ops.
@@ -424,8 +463,8 @@ class SheafStateLM(nn.Module):
     def read_rows(self, site: FlatSite | StreamDelta) -> slice:
         """The rows of a block's output that R reads: the outputs, or the tokens (``token_residual``, and the ssm
         ablation, whose rows are its tokens)."""
-        if not self.config.gluing or self.config.token_residual:
-            return slice(0, site.type_ptr[1]) if self.config.gluing else slice(None)
+        if self.config.gluing.mode != "outputs":
+            return slice(0, site.type_ptr[1]) if self.config.glues else slice(None)
         return site.block("output")
 
     def readout(self, h_out: Tensor) -> Tensor:
@@ -457,14 +496,14 @@ class SheafStateLM(nn.Module):
         edges (``keep_cost``)."""
         if "y" not in data["token"]:
             raise ValueError("SheafStateLM.loss: the site has no targets data['token'].y")
-        c = self.config
+        c, balance_weight = self.config.topology, self.config.experts.balance_weight
         extras = Extras(pool_read=self.training and c.pool_loss_weight > 0,
                         block_loss=self.training and c.block_scorer and c.block_loss_weight > 0)
         h_out, infos, site = self._forward(data, extras)
         y = data["token"].y
         loss = self.readout_loss(h_out, y)
         for block, info in zip(self.blocks, infos):
-            loss = loss + c.balance_weight * info["balance"]
+            loss = loss + balance_weight * info["balance"]
             chosen = info.get("selection")
             if chosen is not None and chosen.pool_read is not None:
                 loss = loss + c.pool_loss_weight * self.readout_loss(h_out.detach() + chosen.pool_read, y)
@@ -493,7 +532,7 @@ class SheafStateLM(nn.Module):
         ``candidates=True`` each entry also holds the whole pool:
         ``"candidate_index"`` (2, C) and ``"candidate_score"`` (C,).
         """
-        if not self.config.gluing:
+        if not self.config.glues:
             raise ValueError("SheafStateLM.topology: this model has gluing switched off (the ssm ablation)")
         was_training = self.training
         self.eval()

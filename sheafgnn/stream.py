@@ -119,7 +119,7 @@ class SheafStream(TokenStream):
 
     def __init__(self, model: SheafStateLM, batch_size: int = 1, tokenizer=None) -> None:
         super().__init__(batch_size, model.config.vocab_size)
-        if model.config.gluing and any(block.topology.random_scores for block in model.blocks):
+        if model.config.glues and any(block.topology.random_scores for block in model.blocks):
             raise ValueError("SheafStream: the random-score ablation is not streamable (its noise is drawn "
                              "per forward pass); switch random_scores off")
         self.model = model
@@ -136,7 +136,7 @@ class SheafStream(TokenStream):
         # host, like the site deltas it indexes (read through NumPy by _delta).
         self.node_rows = RowBuffer((_OUTPUT, batch_size), torch.long)
         self.num_blocks = [0] * batch_size  # complete content blocks per stream (the same in every cache)
-        if model.config.gluing:
+        if model.config.glues:
             # The position proposals of every position so far (a pure function of the position, the same for
             # every stream and block), grown geometrically: a generation step reads its row instead of ~30 ops.
             near, types = model.blocks[0].topology.position_proposals(torch.zeros(1, dtype=torch.long),
@@ -150,7 +150,7 @@ class SheafStream(TokenStream):
     def _feed(self, ids: list[Tensor]) -> list[Tensor]:
         if not any(x.numel() for x in ids):
             return [self.model.token_embedding.weight.new_zeros(0, self.vocab_size) for _ in ids]
-        if not self.model.config.gluing:
+        if not self.model.config.glues:
             return self._feed_tokens_only(ids)
         # TokenStream validated the ids (or sampled them): the sites need not check them again
         deltas = [site.push_delta(x if x.device.type == "cpu" else x.cpu(), validate=False) if x.numel() else None
@@ -219,7 +219,7 @@ class SheafStream(TokenStream):
         node_type = tensor(np.arange(len(FLAT_TYPES)).repeat([sum(per_stream) for per_stream in counts]))
         topology = TopologyDelta(
             node_type, type_ptr[_OUTPUT], token_pos.size, len(streams), tensor(token_stream),
-            tensor(token_pos // self.model.config.proposal_block), tensor(previous_row),
+            tensor(token_pos // self.model.config.topology.block_size), tensor(previous_row),
             tensor(token_pos[:, None] == 0),
             (tensor(rule_src[:into_patch]), tensor(rule_dst[:into_patch]), tensor(rule_type[:into_patch])),
             tuple(map(tensor, output_pool)), self._new_blocks(deltas, token_rows), tensor(token_rows))
@@ -298,10 +298,10 @@ class SheafStream(TokenStream):
     def _new_blocks(self, deltas, token_rows: np.ndarray) -> list[tuple[int, int, Tensor]]:
         """Per stream, the index of its first content block completed by this feed and the cache rows
         of the tokens of every such block."""
-        B = self.model.config.proposal_block
+        B = self.model.config.topology.block_size
         out = []
         for b, d in enumerate(deltas):
-            if d is None or not self.model.config.content_blocks:
+            if d is None or not self.model.config.topology.content_blocks:
                 continue
             start, done = self.num_blocks[b], self.sites[b].num_tokens // B  # complete blocks before / after
             if done > start:

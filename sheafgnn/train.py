@@ -50,7 +50,7 @@ from sheafgnn import checkpoint as ckpt
 from sheafgnn.config import ArgumentParser, ConfigFile
 from sheafgnn.data import KINDS, StepSampler, WindowDataset, scored_batches, train_validation_text
 from sheafgnn.lm import MODEL_KINDS, build_model, config_dict
-from sheafgnn.memory import process_peak_bytes, tune_cpu_process
+from sheafgnn.memory import process_peak_bytes, tune_cpu
 from sheafgnn.optim import cosine_lr, make_optimizer
 from sheafgnn.optional import require
 from sheafgnn.site import BPETokenizer, ByteTokenizer, SiteBuilder, SiteConfig
@@ -281,7 +281,7 @@ def _process_settings(config: TrainConfig):
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    tune_cpu_process()  # allocator and oneDNN cache settings (sheafgnn.memory)
+    tune_cpu()  # allocator and oneDNN cache settings (sheafgnn.memory)
     if config.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)

@@ -124,7 +124,8 @@ def test_each_shipped_training_config_trains_two_steps(tmp_path, capsys, kind):
 
 
 def test_the_shipped_task_config_trains_two_steps(tmp_path, capsys):
-    tiny = ["--d-model", "32", "--n-layers", "1", "--window", "16", "--sheaf", '{"headdim": 16}', "--batch-size", "2",
+    tiny = ["--d-model", "32", "--n-layers", "1", "--window", "16", "--sheaf", '{"ssm": {"headdim": 16}}',
+            "--batch-size", "2",
             "--test-examples", "2", "--mqar-seq-len", "64", "--mqar-pairs", "4", "--mqar-vocab", "64",
             "--copy-seq-len", "32", "--copy-tokens", "4", "--induction-train-len", "32", "--induction-test-lens", "32"]
     status, out, err = run(["tasks", "--config", str(CONFIGS / "tasks.yaml"), "--steps", "2", *tiny,

@@ -390,3 +390,18 @@ def test_a_failed_kernel_build_warns_once_and_changes_no_logit(monkeypatch, full
         "not found); using the PyTorch paths" in messages[0] and "pip install 'sheafgnn[kernels]'" in messages[0]
     assert sorted(cpu_kernels._failed) == ["block_topk", "step_kernels"]  # both sources were tried, once each
     assert all(torch.equal(a, b) for a, b in zip(fallback, reference))
+
+
+def test_importing_the_kernels_installs_no_hook():
+    """torch.nn's registration hooks are process-wide: a fresh interpreter that imports sheafgnn and builds a model
+    has none of ours until a kernel caller first reads its layer's parameters (cpu_kernels.registered)."""
+    import subprocess
+    import sys
+
+    code = ("import torch.nn.modules.module as m\nimport sheafgnn\nfrom sheafgnn.nn import cpu_kernels\n"
+            "sheafgnn.SheafStateLM(sheafgnn.SheafStateConfig(d_model=16, n_layers=1))\n"
+            "before = len(m._global_parameter_registration_hooks)\n"
+            "cpu_kernels.registered(torch.nn.Linear(2, 2), ('weight',))\n"
+            "print(before, len(m._global_parameter_registration_hooks))\n")
+    out = subprocess.run([sys.executable, "-c", "import torch\n" + code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["0", "1"]

@@ -144,7 +144,7 @@ def test_main_inspect_untrained_model(tmp_path, capsys):
     from sheafgnn.model import SheafStateConfig, SheafStateLM
 
     torch.manual_seed(0)
-    config = SheafStateConfig(d_model=32, n_layers=1, stalk_dim=4, headdim=16, d_state=8, topology_k=4,
+    config = SheafStateConfig(d_model=32, n_layers=1, ssm={"headdim": 16, "d_state": 8}, topology={"k": 4},
                               site={"local_window": 8})
     model = SheafStateLM(config)
     stats = I.main_inspect(model, PROSE, out_dir=tmp_path, verbose=True)
@@ -167,8 +167,8 @@ def test_content_edges_are_listed_with_their_text(tmp_path):
     from sheafgnn.model import SheafStateConfig, SheafStateLM
 
     torch.manual_seed(0)
-    model = SheafStateLM(SheafStateConfig(d_model=32, n_layers=1, stalk_dim=4, headdim=16, d_state=8,
-                                          topology_k=4, site={"local_window": 8}))
+    model = SheafStateLM(SheafStateConfig(d_model=32, n_layers=1, ssm={"headdim": 16, "d_state": 8},
+                                          topology={"k": 4}, site={"local_window": 8}))
     stats = I.main_inspect(model, PROSE, out_dir=tmp_path, verbose=False)
     rows = stats["content_edges"]
     assert 0 < len(rows) <= 10

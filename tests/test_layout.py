@@ -264,3 +264,16 @@ def _check_the_line_type() -> None:
         torch.testing.assert_close(streamed, full, atol=1e-4, rtol=1e-4)
         model.indent_embedding.weight.normal_()
         assert not torch.allclose(model(build_site(prefix, config)), full), "the indent is not embedded"
+
+
+MAX_CONFIG_FIELDS = 12
+
+
+def test_the_model_config_is_a_few_groups():
+    """SheafStateConfig composes one config per part of the model (each defined by the module that builds from it)
+    and keeps at most MAX_CONFIG_FIELDS top-level fields."""
+    from dataclasses import fields
+
+    from sheafgnn.model import SheafStateConfig
+
+    assert len(fields(SheafStateConfig)) <= MAX_CONFIG_FIELDS, [f.name for f in fields(SheafStateConfig)]

@@ -73,7 +73,7 @@ def test_run_learned_tiny_has_the_expected_keys(learned):
                 "loss_random_scores", "routes", "waste_floor", "waste_of_selection", "train", "loss_before",
                 "loss_after", "designed", "untrained", "references", "growth", "model_config", "targets"):
         assert key in learned
-    assert learned["model_config"]["topology_k"] == 2
+    assert learned["model_config"]["topology"]["k"] == 2
     assert learned["train"]["steps"] == 3 and len(learned["train"]["curve"]) == 3
     assert set(learned["learned"]) == ROWS
     assert set(learned["references"]) == {"fixed_only", "oracle"}

@@ -1,6 +1,7 @@
 
 import ctypes
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,10 +16,12 @@ from sheafgnn.memory import (
 )
 from sheafgnn.model import SheafStateConfig, SheafStateLM
 from sheafgnn.nn import experts as experts_module
-from sheafgnn.nn.experts import FeedForward, PatchExperts, _LeanFeedForward, feed_forward_reference
+from sheafgnn.nn.experts import ExpertsConfig, FeedForward, PatchExperts, _LeanFeedForward, feed_forward_reference
+from sheafgnn.nn.quant import QuantConfig
 from sheafgnn.nn.segment import use_backend
-from sheafgnn.nn.topology import topk_per_group
-from sheafgnn.site import CANDIDATE_EDGES, build_site
+from sheafgnn.nn.ssm import SSMConfig
+from sheafgnn.nn.topology import TopologyConfig, topk_per_group
+from sheafgnn.site import CANDIDATE_EDGES, SiteConfig, build_site
 from sheafgnn.site.schema import GLUE_EDGES
 
 from .conftest import CODE, PROSE, assert_logits_causal, small_model_config
@@ -246,7 +249,7 @@ def test_generate(full_config):
 def test_bad_input(full_config):
     model = SheafStateLM(_config(full_config))
     with pytest.raises(ValueError, match="stalk_dim must divide d_model"):
-        SheafStateConfig(d_model=30, stalk_dim=4)
+        SheafStateConfig(d_model=30, gluing={"stalk_dim": 4})
     with pytest.raises(ValueError, match="expected a site HeteroData"):
         model(torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="no tokens"):
@@ -278,12 +281,50 @@ def test_config_round_trip(tmp_path, full_config):
             path.write_text(json.dumps(config.to_dict()))
         assert SheafStateConfig.load(path) == config
     path = tmp_path / "c.toml"
-    path.write_text('d_model = 48\nstalk_dim = 3\n[site]\nlocal_window = 4\n')
+    path.write_text('d_model = 48\n[gluing]\nstalk_dim = 3\n[site]\nlocal_window = 4\n')
     loaded = SheafStateConfig.load(path)
-    assert loaded.d_model == 48 and loaded.site_config.local_window == 4
+    assert loaded.d_model == 48 and loaded.gluing.stalk_dim == 3 and loaded.site_config.local_window == 4
     with pytest.raises(ValueError, match="unknown fields"):
         SheafStateConfig.from_dict({"d_modle": 3})
+    with pytest.raises(ValueError, match="TopologyConfig: unknown fields \\['rnak'\\]"):
+        SheafStateConfig.from_dict({"topology": {"rnak": 3}})
     assert "d_model=32" in repr(config)
+    assert config.with_overrides(["topology.rank=64"]).topology.rank == 64
+
+
+def test_the_config_has_a_group_per_part():
+    """SheafStateConfig composes the configs of the modules that build from them (its size: test_layout)."""
+    config = SheafStateConfig()
+    assert (type(config.ssm), type(config.topology), type(config.experts), type(config.quant), type(config.site)) \
+        == (SSMConfig, TopologyConfig, ExpertsConfig, QuantConfig, SiteConfig)
+    with pytest.raises(ValueError, match="TopologyConfig: k, rank and block_size must be >= 1"):
+        SheafStateConfig(topology={"rank": 0})
+    with pytest.raises(ValueError, match="GluingConfig: mode must be one of"):
+        SheafStateConfig(gluing={"mode": "both"})
+
+
+def test_flat_keys_of_earlier_versions_load_with_a_deprecation_warning():
+    flat = {"d_model": 32, "topology_rank": 64, "proposal_block": 4, "map_kind": "general", "headdim": 16,
+            "gluing": True, "token_residual": True, "tune_cpu_allocator": True, "site": {"local_window": 8}}
+    with pytest.warns(FutureWarning, match="topology_rank -> topology.rank.*proposal_block -> topology.block_size"):
+        config = SheafStateConfig.from_dict(flat)
+    assert config == SheafStateConfig(d_model=32, topology={"rank": 64, "block_size": 4}, ssm={"headdim": 16},
+                                      gluing={"map_kind": "general", "mode": "tokens"}, site={"local_window": 8})
+    with pytest.warns(FutureWarning, match="gluing.mode: off"):
+        assert SheafStateConfig.from_dict({"gluing": False}).gluing.mode == "off"
+
+
+def test_a_checkpoint_saved_with_flat_keys_loads():
+    """A committed checkpoint whose config predates the groups (benchmarks/results/learned_topology_d64/model,
+    flat keys) loads with its weights and runs."""
+    from sheafgnn.experiments.learned_model import load_learned_model
+
+    folder = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "learned_topology_d64" / "model"
+    with pytest.warns(FutureWarning, match="topology_rank -> topology.rank"):
+        model = load_learned_model(folder)
+    assert model.config.topology.rank == 64 and model.config.gluing.mode == "outputs"
+    with torch.no_grad():
+        assert torch.isfinite(model(build_site("The cat sat.", model.config.site_config))).all()
 
 
 @pytest.mark.slow
@@ -329,9 +370,15 @@ def test_onednn_cache_is_bounded_unless_the_user_sized_it(monkeypatch):
     assert not bound_onednn_cache() and os.environ[ONEDNN_CACHE_VARIABLE] == "7"
 
 
-@pytest.mark.parametrize("tune", [True, False])
-def test_the_model_tunes_the_cpu_allocator_unless_told_not_to(monkeypatch, tune):
+def test_a_model_changes_no_process_setting_and_tune_cpu_does(monkeypatch):
+    """Building a model leaves the process alone; sheafgnn.tune_cpu() (the CLI's and the benchmarks' call) sets
+    glibc's thresholds and oneDNN's cache bound."""
+    import sheafgnn
+    from sheafgnn import memory
+
     calls = []
-    monkeypatch.setattr("sheafgnn.model.tune_cpu_process", lambda: calls.append(1) or {})
-    SheafStateLM(SheafStateConfig(d_model=16, n_layers=1, tune_cpu_allocator=tune))
-    assert len(calls) == int(tune)
+    monkeypatch.setattr(memory, "keep_freed_memory", lambda: calls.append("glibc") or True)
+    monkeypatch.setattr(memory, "bound_onednn_cache", lambda: calls.append("onednn") or True)
+    SheafStateLM(SheafStateConfig(d_model=16, n_layers=1))
+    assert calls == []
+    assert sheafgnn.tune_cpu() == {"glibc": True, "onednn_cache": True} and calls == ["glibc", "onednn"]

@@ -36,7 +36,7 @@ from sheafgnn.train import TrainConfig, train
 out, corpus = sys.argv[1], sys.argv[2]
 assert not segment.HAS_TORCH_SCATTER and not segment.HAS_TORCH_SPARSE
 torch.manual_seed(0)
-model = SheafStateLM(SheafStateConfig(d_model=32, n_layers=1, headdim=16, chunk_size=16)).eval()
+model = SheafStateLM(SheafStateConfig(d_model=32, n_layers=1, ssm={"headdim": 16, "chunk_size": 16})).eval()
 data = build_site(open(corpus, "rb").read()[:300])  # the default site: every default patch type
 ids = data["token"].x
 data["token"].y = torch.cat([ids[1:], ids.new_full((1,), -100)])

@@ -7,6 +7,7 @@ from torch import nn
 from sheafgnn.model import SheafStateLM
 from sheafgnn.nn.quant import (
     PackedLinear,
+    QuantConfig,
     QuantLinear,
     QuantSheafConv,
     apply_quant,
@@ -109,11 +110,11 @@ def test_quant_config_validation(full_config):
     assert validate_quant({}) == {"maps": "none", "experts": "none", "map_values": "none"}
     assert validate_quant(MAPS_INT4) == {"maps": "int4", "experts": "int8", "map_values": "int4"}
     assert validate_quant({"maps": "int8", "map_values": None})["map_values"] == "none"
-    with pytest.raises(ValueError, match=r"SheafStateConfig.quant: unknown keys \['map'\]"):
+    with pytest.raises(ValueError, match=r"QuantConfig: unknown fields \['map'\]"):
         _config(full_config, quant={"map": "int4"})
-    with pytest.raises(ValueError, match=r"SheafStateConfig.quant.experts must be one of .* \(got 'int3'\)"):
+    with pytest.raises(ValueError, match=r"QuantConfig.experts must be one of .* \(got 'int3'\)"):
         _config(full_config, quant={"experts": "int3"})
-    with pytest.raises(ValueError, match="must be a mapping"):
+    with pytest.raises(ValueError, match="quant must be a QuantConfig or a mapping"):
         _config(full_config, quant="int8")
     with pytest.raises(ValueError, match="mode must be one of"):
         QuantLinear(4, 4, mode="none")
@@ -184,7 +185,7 @@ def test_post_training_quantisation(tmp_path, full_config):
     _perturb(model)
     float_config = model.config
     apply_quant(model, MAPS_INT4)
-    assert model.config.quant == MAPS_INT4 and float_config.quant == {}
+    assert validate_quant(model.config.quant) == validate_quant(MAPS_INT4) and float_config.quant == QuantConfig()
     assert isinstance(model.blocks[0].glue.map_lin, QuantLinear)
     model.eval()
     data = build_site(CODE, model.config.site_config)

@@ -147,7 +147,7 @@ def test_sink_threshold_trains_straight_through(full_config):
     assert below.any() and (sel.weight[below] == 0).all() and (sel.weight[~below] > 0).all()
     assert sel.edge_index.size(1) == _selection(model, data)[0].edge_index.size(1) + int(below.sum())
     # the straight-through gradient, on the competition itself
-    topology = LearnedTopology(8, 3, 2, k=3, sink_threshold=True)
+    topology = LearnedTopology(8, 3, 2, k=3, content_type=1, random_type=2, sink_threshold=True)
     score = torch.tensor([[2.0, -1.0, 0.5, -3.0], [-2.0, -1.5, -1.0, -4.0]], requires_grad=True)
     sink = torch.zeros(2, 1)
     top, pick, weight = topology.compete_dense(score, sink)
@@ -254,9 +254,9 @@ def test_topology_input_and_repr(full_config):
                          "block_size=16, random_proposals=4, block_scorer=False, block_summary='mean', "
                          "sink_threshold=False)")
     with pytest.raises(ValueError, match="block_summary must be one of"):
-        LearnedTopology(32, 3, 2, k=1, block_summary="max")
+        LearnedTopology(32, 3, 2, k=1, content_type=1, random_type=2, block_summary="max")
     with pytest.raises(ValueError, match="k, rank and block_size"):
-        LearnedTopology(32, 3, 2, k=0)
+        LearnedTopology(32, 3, 2, k=0, content_type=1, random_type=2)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -335,7 +335,7 @@ def test_pool_read_equals_the_plain_weighted_sum(monkeypatch, backend, chunk):
     with pytest.raises(ValueError, match="pool_read"):
         pool_read(weight, x, sources[:, :3])
 
-    topo = LearnedTopology(8, 3, 2, k=2).double()
+    topo = LearnedTopology(8, 3, 2, k=2, content_type=1, random_type=2).double()
     sources[1, 3:] = -1  # padding
     score = torch.randn(6, 5, dtype=torch.float64).masked_fill(sources < 0, float("-inf")).requires_grad_()
     sink = torch.randn(6, 1, dtype=torch.float64, requires_grad=True)
@@ -363,11 +363,11 @@ def test_auxiliary_losses_train_the_choice_in_training_only(full_config, weight_
     assert torch.allclose(model(data), logits_train)  # the auxiliary loss is not on the output path
     model.train()
     weight = getattr(model.blocks[0].topology, scorer).weight
-    setattr(model.config, weight_name, 0.0)
+    setattr(model.config.topology, weight_name, 0.0)
     model.loss(data).backward()
     without = torch.zeros_like(weight) if weight.grad is None else weight.grad.clone()
     model.zero_grad()
-    setattr(model.config, weight_name, 1.0)
+    setattr(model.config.topology, weight_name, 1.0)
     model.loss(data).backward()
     assert not torch.allclose(weight.grad, without)  # the auxiliary loss adds a gradient to the scorer
     with pytest.raises(ValueError, match=weight_name):
@@ -393,8 +393,8 @@ def test_block_distillation_by_hand():
     torch.manual_seed(0)
     B, m, lengths = 4, 2, [13, 9]
     inp, n = _token_input(lengths), sum(lengths)
-    topo = LearnedTopology(6, 3, len(FLAT_TYPES), k=2, rank=3, content_blocks=m, block_size=B,
-                           block_scorer=True).double()
+    topo = LearnedTopology(6, 3, len(FLAT_TYPES), k=2, content_type=1, random_type=2, rank=3, content_blocks=m,
+                           block_size=B, block_scorer=True).double()
     x = torch.randn(2 * n, 6, dtype=torch.float64)
     tokens = x[inp.tokens]
     query, keys = topo.block_query(x[inp.outputs]), topo.block_token_keys(tokens, topo._previous(tokens, inp))
@@ -436,7 +436,7 @@ def test_keep_cost_is_the_expected_kept_edges_per_node(full_config):
     with_cost = model.loss(data)
     sinks = [block.topology.sink for block in model.blocks]
     sink_grad = torch.autograd.grad(with_cost, sinks)
-    model.config.keep_cost = 0.0
+    model.config.topology.keep_cost = 0.0
     plain = model.loss(data)
     expected = 0.0
     _, infos, site = model._forward(data)

@@ -250,8 +250,8 @@ def test_every_model_kind_trains(corpus, tmp_path, kind):
     assert all(math.isfinite(v) for v in result["history"].values()) and math.isfinite(result["val_bpb"])
     state = torch.load(tmp_path / "checkpoints" / "step_000003" / "state.pt", weights_only=True)
     if kind != "local":
-        assert state["model_config"]["gluing"] is (kind == "sheaf")
-        assert state["model_config"]["site"] == site
+        assert state["model_config"]["gluing"]["mode"] == ("outputs" if kind == "sheaf" else "off")
+        assert state["model_config"]["site"] == SiteConfig.from_dict(site).to_dict()
 
 
 def test_bpe_tokenizer_run(corpus, tmp_path):

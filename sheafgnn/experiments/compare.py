@@ -60,7 +60,7 @@ from sheafgnn.data import WindowDataset, scored_batches, train_validation_text
 from sheafgnn.experiments.recurrence import bucket_names, loss_by_distance
 from sheafgnn.experiments.report import config_from_args, pyplot, report_parser, run_report_command, write_report
 from sheafgnn.lm import MODEL_KINDS, build_model, matched_options, print_parameter_counts
-from sheafgnn.memory import PeakMemory, tune_cpu_process
+from sheafgnn.memory import PeakMemory, tune_cpu
 from sheafgnn.site import ByteTokenizer, SiteConfig, build_site
 from sheafgnn.train import TrainConfig, build_datasets, evaluate, resolve_device, train
 
@@ -304,7 +304,7 @@ def sweep_one(config: CompareConfig, kind: str, options: dict) -> list[dict]:
     device = resolve_device(config.device)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    tune_cpu_process()  # every model alike (sheafgnn.memory)
+    tune_cpu()  # every model alike (sheafgnn.memory)
     site_config = SiteConfig.from_dict(_site_of(kind, config))
     ids = _sweep_ids(config, max(config.sweep))
     torch.manual_seed(config.seed)

@@ -85,7 +85,8 @@ def format_learned(result: dict) -> str:
                        f"source token in the pool {pct(row['source_in_pool'])})"
                        for b, row in enumerate(auc["per_block"]))
     lines = [f"learned topology: n_eval = {result['n_eval']:,}, G* = {result['deps']['total']:,}, "
-             f"H = {result['hops']}, {result['parameters']:,} parameters, k = {result['model_config']['topology_k']}, "
+             f"H = {result['hops']}, {result['parameters']:,} parameters, "
+             f"k = {result['model_config']['topology']['k']}, "
              f"{train['steps']} steps x {result['batch']} x {result['window']} tokens ({train['seconds']:.0f} s)",
              f"eval next-token loss (nats): {before['loss']:.3f} before -> {after['loss']:.3f} after; long-range "
              f"targets {num(before['long_range'])} -> {num(after['long_range'])}; with random scores "

@@ -193,7 +193,7 @@ def cut_routes(model: SheafStateLM, site: FlatSite | None = None, dropped: Seque
 def glue_types_in_use(model: SheafStateLM, data: HeteroData) -> list[int]:
     """Indices of the glue types with candidates on ``data``: the site's rule types that have edges, and the
     content and random proposals where the model makes them."""
-    c = model.config
+    c = model.config.topology
     used = [i for i, t in enumerate(CANDIDATE_EDGES) if t in data.edge_types and data[t].edge_index.size(1) > 0]
     used += [GLUE_EDGES.index(CONTENT_EDGE)] if c.content_blocks > 0 else []
     used += [GLUE_EDGES.index(RANDOM_EDGE)] if c.random_proposals > 0 else []
@@ -214,7 +214,7 @@ def route_losses(model: SheafStateLM, data: HeteroData, seq: SyntheticSequence, 
         ``"token chain"``, ``"patch chains"``, ``"chains"``, ``"cover"``, ``"gluing"``, then ``"src rel dst"``
         for every glue type in use (:func:`glue_types_in_use`).
     """
-    if not model.config.gluing:
+    if not model.config.glues:
         raise ValueError("route_losses: this model has gluing switched off (the ssm ablation)")
     cuts = section_cuts(seq)
     site = site if site is not None else flatten_site(data)

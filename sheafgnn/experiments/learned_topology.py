@@ -110,6 +110,8 @@ from sheafgnn.experiments.synthetic import (
     score_site,
 )
 from sheafgnn.model import SheafStateConfig, SheafStateLM
+from sheafgnn.nn.ssm import SSMConfig
+from sheafgnn.nn.topology import TopologyConfig
 from sheafgnn.optim import cosine_lr
 from sheafgnn.relations import topology_graph
 from sheafgnn.site import CANDIDATE_EDGES, SiteConfig, build_site
@@ -254,10 +256,11 @@ def learned_model_config(d_model: int = 32, n_layers: int = 2, topology_k: int =
     digit. With ``keep_cost`` 0.02 on top it keeps only a few hundred edges (waste 34%) but learns no
     long-range dependency (README)."""
     site_config = site_config if site_config is not None else matched_site_config()
-    return SheafStateConfig(d_model=d_model, n_layers=n_layers, stalk_dim=4, d_state=16, headdim=16,
-                            topology_k=topology_k, topology_rank=64, content_blocks=32, proposal_block=4,
-                            block_summary="bounds", pool_loss_weight=1.0, sink_threshold=True,
-                            site=site_config.to_dict()).with_overrides(model_set)
+    return SheafStateConfig(d_model=d_model, n_layers=n_layers, ssm=SSMConfig(d_state=16, headdim=16),
+                            topology=TopologyConfig(k=topology_k, rank=64, content_blocks=32, block_size=4,
+                                                    block_summary="bounds", pool_loss_weight=1.0,
+                                                    sink_threshold=True),
+                            site=site_config).with_overrides(model_set)
 
 
 def train_learned(model: SheafStateLM, sequences: Tensor | list[Tensor], site_config: SiteConfig, steps: int,

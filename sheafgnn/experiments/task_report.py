@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from sheafgnn.experiments.report import pyplot, write_json
-from sheafgnn.model import SheafStateConfig
+from sheafgnn.model import FLAT_KEYS, SheafStateConfig
 
 SUMMARY_KEY = ("task", "seq_len", "train_len", "pairs", "vocab", "model", "hash_retrieval", "topology_rank",
                "topology_k", "content_blocks", "proposal_block", "pool_loss_weight", "block_scorer",
@@ -38,22 +38,28 @@ def summary_rows(report: dict) -> list[dict]:
     ``steps``, ``tokens`` and ``seconds`` count it in). A curriculum also gives the row of its final model on
     the warm-up task: ``seq_len`` and ``pairs`` the warm-up's, ``train_len`` the main task's.)"""
     cfg, rows = report["config"], []
-    sheaf = {**SheafStateConfig().to_dict(), **cfg["sheaf"]}
+    sheaf = SheafStateConfig.from_dict(cfg["sheaf"]).to_dict()
     topology = ("topology_rank", "topology_k", "content_blocks", "proposal_block", "pool_loss_weight",
-                "block_scorer", "block_summary", "sink_threshold", "keep_cost", "map_kind")
+                "block_scorer", "block_summary", "sink_threshold", "keep_cost", "map_kind")  # FLAT_KEYS' names
     for task, r in report["tasks"].items():
         for kind, m in r["models"].items():
             for length, accuracy in m["accuracy"].items():
                 rows.append({"task": task, "seq_len": int(length), "train_len": r["train_len"],
                              "pairs": _pairs(cfg, task, int(length)), "vocab": r["vocab_size"],
                              "model": kind, "hash_retrieval": bool(cfg["hash_retrieval"]) and kind == "sheaf",
-                             **{k: sheaf[k] if kind == "sheaf" else None for k in topology}, "lr": cfg["lr"],
+                             **{k: _field(sheaf, k) if kind == "sheaf" else None for k in topology}, "lr": cfg["lr"],
                              "seed": cfg["seed"], **_budget(cfg, task, r["train_len"], m), "accuracy": accuracy})
             if "final_accuracy" in m.get("warmup", {}):  # the curriculum's final model on its warm-up task
                 short_len, short_pairs, _ = cfg["mqar_warmup"]
                 rows.append({**rows[-1], "seq_len": short_len, "pairs": short_pairs,
                              "accuracy": m["warmup"]["final_accuracy"]})
     return sorted(rows, key=_summary_order)
+
+
+def _field(sheaf: dict, key: str):
+    """A summary row's field of the sheaf config (its nested dict), by its flat name (:data:`FLAT_KEYS`)."""
+    group, name = FLAT_KEYS[key]
+    return sheaf[group][name]
 
 
 def _pairs(cfg: dict, task: str, length: int) -> int | None:

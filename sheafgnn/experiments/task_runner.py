@@ -79,8 +79,8 @@ from sheafgnn.lm import (
     matched_options,
     print_parameter_counts,
 )
-from sheafgnn.memory import tune_cpu_process
-from sheafgnn.model import SheafStateLM
+from sheafgnn.memory import tune_cpu
+from sheafgnn.model import SheafStateConfig, SheafStateLM
 from sheafgnn.optim import cosine_lr, make_optimizer
 from sheafgnn.site import SiteConfig, build_site
 from sheafgnn.train import resolve_device, train_step
@@ -90,7 +90,7 @@ RECALL_TASKS = ("mqar", "scattered_recall")  # scored per pair; their test lengt
 TASK_SITE = {"patch_types": ["local", "workspace", "output"], "retrieval_key_len": 1}
 # The tasks train the choice with the pool-read loss (off in SheafStateConfig): MQAR (128, 8) 0.975 without it,
 # 0.995 with it (tasks/summary.json). TasksConfig.sheaf is merged over these (its fields win).
-TASK_SHEAF = {"pool_loss_weight": 1.0}
+TASK_SHEAF = {"topology": {"pool_loss_weight": 1.0}}
 NEUTRAL_BYTE = ord("x")  # what every task id stands for in the builder's byte rules
 ZOOLOGY = {"mqar_seq_len": 512, "mqar_pairs": 64, "mqar_vocab": 8192}
 
@@ -167,7 +167,8 @@ class TasksConfig(ConfigFile):
 
     def __post_init__(self) -> None:
         self.models, self.tasks = tuple(self.models), tuple(self.tasks)
-        self.sheaf = {**TASK_SHEAF, **self.sheaf}
+        sheaf = SheafStateConfig.nested(self.sheaf)
+        self.sheaf = {**sheaf, "topology": {**TASK_SHEAF["topology"], **sheaf.get("topology", {})}}
         self.induction_test_lens = tuple(sorted(set(self.induction_test_lens)))
         if not self.models or set(self.models) - set(MODEL_KINDS):
             raise ValueError(f"TasksConfig: models must be a non-empty subset of {MODEL_KINDS} (got {self.models})")
@@ -203,7 +204,7 @@ class TasksConfig(ConfigFile):
     @classmethod
     def quick(cls, **overrides) -> TasksConfig:
         """A toy preset that runs in seconds (tests, smoke checks)."""
-        values = dict(d_model=32, n_layers=1, window=16, sheaf={"headdim": 16}, steps=2, batch_size=2,
+        values = dict(d_model=32, n_layers=1, window=16, sheaf={"ssm": {"headdim": 16}}, steps=2, batch_size=2,
                       warmup_steps=1, test_examples=4,
                       mqar_seq_len=64, mqar_pairs=4, mqar_vocab=64, scatter_seq_len=48, scatter_pairs=4,
                       copy_seq_len=32, copy_tokens=4,
@@ -351,7 +352,7 @@ def evaluate(model: nn.Module, spec: TaskSpec, length: int, examples: int, confi
     kept_per_output = None
     for i in range(0, examples, rows):
         batch = to_sites(x[i : i + rows], y[i : i + rows], site_config, tokenizer).to(device)
-        if i == 0 and length == spec.train_len and isinstance(model, SheafStateLM) and model.config.gluing:
+        if i == 0 and length == spec.train_len and isinstance(model, SheafStateLM) and model.config.glues:
             kept_per_output = [sum(int(e["edge_index"].size(1)) for t, e in model.topology(batch, block=b).items()
                                    if t[2] == "output") / batch["output"].num_nodes
                                for b in range(len(model.blocks))]
@@ -465,7 +466,7 @@ def run_tasks(config: TasksConfig) -> dict:
     print(config)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    tune_cpu_process()  # every model alike (sheafgnn.memory)
+    tune_cpu()  # every model alike (sheafgnn.memory)
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()

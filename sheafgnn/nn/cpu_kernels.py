@@ -107,7 +107,9 @@ def kernel_inputs(x: torch.Tensor, dtype: torch.dtype) -> bool:
         and x.dtype == dtype
 
 
-_registrations = 0  # parameters, buffers and submodules registered (assigned) in any module so far
+# Parameters, buffers and submodules registered (assigned) in any module since the first registered() call;
+# None until then: importing this module installs no hook (torch.nn's hooks are process-wide).
+_registrations: int | None = None
 
 
 def _registered_one(*args) -> None:
@@ -115,9 +117,16 @@ def _registered_one(*args) -> None:
     _registrations += 1
 
 
-for _hook in (_module.register_module_parameter_registration_hook, _module.register_module_buffer_registration_hook,
-              _module.register_module_module_registration_hook):
-    _hook(_registered_one)
+def _registration_count() -> int:
+    """The registrations so far, counted from the first call on (which installs torch.nn's global hooks)."""
+    global _registrations
+    if _registrations is None:
+        _registrations = 0
+        for hook in (_module.register_module_parameter_registration_hook,
+                     _module.register_module_buffer_registration_hook,
+                     _module.register_module_module_registration_hook):
+            hook(_registered_one)
+    return _registrations
 
 
 def registered(layer: nn.Module, names: tuple[str, ...]) -> tuple:
@@ -130,9 +139,9 @@ def registered(layer: nn.Module, names: tuple[str, ...]) -> tuple:
     ``torch.__future__.get_overwrite_module_params_on_conversion()`` is on (``.to()`` then swaps parameters
     without registering them). Plain attributes (``eps``, flags) are not cached: read them from the objects.
     """
-    cache = layer.__dict__.get("_sheafgnn_registered")
-    if cache is None or cache[0] != _registrations or torch.__future__.get_overwrite_module_params_on_conversion():
-        cache = layer.__dict__["_sheafgnn_registered"] = (_registrations, {})
+    cache, count = layer.__dict__.get("_sheafgnn_registered"), _registration_count()
+    if cache is None or cache[0] != count or torch.__future__.get_overwrite_module_params_on_conversion():
+        cache = layer.__dict__["_sheafgnn_registered"] = (count, {})
     found = cache[1].get(names)
     if found is None:
         found = cache[1][names] = tuple(functools.reduce(getattr, name.split("."), layer) for name in names)

@@ -14,13 +14,30 @@ router (Switch Transformer, Fedus et al. 2021) whose load-balancing loss
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from sheafgnn.config import ConfigFile
 from sheafgnn.nn import cpu_kernels
 from sheafgnn.nn.norm_linear import fusable_norm, layer_norm_stats, norm_grads, renorm
+
+
+@dataclass
+class ExpertsConfig(ConfigFile):
+    """E of :class:`~sheafgnn.model.SheafStateLM`: its :class:`PatchExperts` and their balance loss."""
+
+    mult: int = 2  # expert hidden width = mult * d_model
+    num_experts: int = 1  # experts per node type (> 1: top-1 routing + balance loss)
+    shared: bool = False  # one set of experts for every node type (the type embeddings still differ)
+    balance_weight: float = 1e-2  # weight of the experts' load-balancing loss
+
+    def __post_init__(self) -> None:
+        if self.mult < 1 or self.num_experts < 1 or self.balance_weight < 0:
+            raise ValueError(f"ExpertsConfig: need mult >= 1, num_experts >= 1 and balance_weight >= 0 "
+                             f"(got {self.mult}, {self.num_experts} and {self.balance_weight})")
 
 
 def feed_forward_reference(x: Tensor, fc_weight: Tensor, fc_bias: Tensor, proj_weight: Tensor,

@@ -56,17 +56,18 @@ holds such a model is in :mod:`sheafgnn.quantized` (``export_quantized``,
 
 from __future__ import annotations
 
-from dataclasses import is_dataclass, replace
+from dataclasses import dataclass, is_dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from sheafgnn.config import ConfigFile
 from sheafgnn.nn.experts import FeedForward
 from sheafgnn.nn.sheaf import SheafConv
 
 __all__ = [
-    "QUANT_MODES", "QUANT_TARGETS", "PackedLinear", "QuantLinear", "QuantSheafConv", "apply_quant",
+    "QUANT_MODES", "QUANT_TARGETS", "PackedLinear", "QuantConfig", "QuantLinear", "QuantSheafConv", "apply_quant",
     "dequantize", "fake_quantize", "pack_bits", "pack_codes", "pack_int4", "quantize", "to_packed",
     "unpack_bits", "unpack_codes", "unpack_int4", "validate_quant",
 ]
@@ -83,8 +84,25 @@ BACKENDS = ("dequant", "int8")  # how a PackedLinear computes
 # ---------------------------------------------------------------------------
 
 
-def validate_quant(quant: dict, name: str = "quant") -> dict[str, str]:
-    """Check a ``quant`` mapping and return it resolved: ``{maps, experts, map_values}``.
+@dataclass
+class QuantConfig(ConfigFile):
+    """QuantVect of a :class:`~sheafgnn.model.SheafStateLM`: the fake quantisation (:func:`apply_quant`) of its
+    restriction maps and its experts, each one of :data:`QUANT_MODES`."""
+
+    maps: str = "none"  # the restriction maps' map learners
+    experts: str = "none"  # the experts' feed-forward layers
+    map_values: str | None = None  # the maps' values after the learner; None: as maps
+
+    def __post_init__(self) -> None:
+        validate_quant(self, "QuantConfig")
+
+    def given(self) -> dict[str, str]:
+        """The modes set (map_values left out while it follows maps), as :func:`validate_quant` reads them."""
+        return {k: v for k, v in self.to_dict().items() if v is not None}
+
+
+def validate_quant(quant: dict | QuantConfig, name: str = "quant") -> dict[str, str]:
+    """Check a ``quant`` mapping (or :class:`QuantConfig`) and return it resolved: ``{maps, experts, map_values}``.
 
     Missing keys are ``"none"``, except ``map_values``, which follows ``maps``;
     ``None`` (YAML ``null``) means ``"none"``.
@@ -92,6 +110,8 @@ def validate_quant(quant: dict, name: str = "quant") -> dict[str, str]:
     Raises:
         ValueError: not a mapping, an unknown key, or an unknown mode.
     """
+    if isinstance(quant, QuantConfig):
+        quant = quant.given()
     if not isinstance(quant, dict):
         raise ValueError(f"{name} must be a mapping like {{'maps': 'int4', 'experts': 'int8'}} "
                          f"(got {type(quant).__name__})")
@@ -434,7 +454,7 @@ class QuantSheafConv(SheafConv):
 # ---------------------------------------------------------------------------
 
 
-def apply_quant(model: nn.Module, quant: dict) -> nn.Module:
+def apply_quant(model: nn.Module, quant: dict | QuantConfig) -> nn.Module:
     """Switch on fake quantisation in ``model`` in place (see the module docstring); returns it.
 
     Parameters are shared, not copied, and the global RNG is untouched, so a
@@ -456,7 +476,7 @@ def apply_quant(model: nn.Module, quant: dict) -> nn.Module:
             if any(mode != "none" for mode in current.values()):
                 raise ValueError(f"apply_quant: the model is already quantised with {config.quant}; build a "
                                  f"fresh model with quant={quant} (or load a float checkpoint into one)")
-            model.config = replace(config, quant=dict(quant))
+            model.config = replace(config, quant=QuantConfig(**q))
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, SheafConv):

@@ -31,6 +31,7 @@ stream's chains from a pool of states (:mod:`sheafgnn.stream`).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from sheafgnn.config import ConfigFile
 from sheafgnn.nn import cpu_kernels
 from sheafgnn.nn.norm_linear import norm_linear
 from sheafgnn.nn.ssd import chain_starts, ssd_scan, ssd_scan_chains
@@ -63,6 +65,29 @@ class SSMState(NamedTuple):
 # weights in its order, and the gate's norm (for its eps).
 _STEP_ARGUMENTS = ("in_proj", "out_proj", "in_proj.bias", "out_proj.bias", "in_proj.weight", "conv_weight",
                    "conv_bias", "dt_bias", "A_log", "D", "norm.weight", "out_proj.weight", "norm")
+
+
+@dataclass
+class SSMConfig(ConfigFile):
+    """Phi of :class:`~sheafgnn.model.SheafStateLM`: the :class:`SelectiveSSM` of every chain (its arguments)."""
+
+    d_state: int = 16  # state size N
+    expand: int = 2  # inner width = expand * d_model
+    headdim: int = 32  # head dimension P; must divide expand * d_model
+    chunk_size: int = 64  # SSD chunk length
+    recompute: bool = False  # training: keep the input projection only, rerun conv, scan and gated norm in backward
+    shared: bool = False  # the patch chains run the token chain's SSM (its weights; their own norm)
+
+    def __post_init__(self) -> None:
+        for name in ("d_state", "expand", "headdim", "chunk_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"SSMConfig: {name} must be a positive integer (got {value!r})")
+
+    def module(self, d_model: int) -> SelectiveSSM:
+        """The :class:`SelectiveSSM` of width ``d_model`` this config describes."""
+        return SelectiveSSM(d_model, self.d_state, self.expand, self.headdim, self.chunk_size,
+                            recompute=self.recompute)
 
 
 class SelectiveSSM(nn.Module):

@@ -58,12 +58,61 @@ import torch
 from torch import Tensor, nn
 from torch_geometric.utils import softmax as segment_softmax
 
+from sheafgnn.config import ConfigFile
 from sheafgnn.nn.pools import pool_dot, pool_read
 from sheafgnn.nn.proposals import BLOCK_SUMMARIES, block_summaries, content_blocks, random_proposals, summary_query
 from sheafgnn.nn.segment import ptr_from_index
 from sheafgnn.nn.topology_step import TopologyStep
 
 SINK_THRESHOLD_INIT = -4.0  # the "nothing" logit at init under sink_threshold
+
+
+def check_topology(owner: str, k: int, rank: int, content_blocks: int, block_size: int, random_proposals: int,
+                   block_summary: str) -> None:
+    """The arguments :class:`LearnedTopology` takes, checked for it and for :class:`TopologyConfig` (``owner`` names
+    the caller in the error)."""
+    if block_summary not in BLOCK_SUMMARIES:
+        raise ValueError(f"{owner}: block_summary must be one of {BLOCK_SUMMARIES} (got {block_summary!r})")
+    if k < 1 or rank < 1 or block_size < 1:
+        raise ValueError(f"{owner}: k, rank and block_size must be >= 1 (got {k}, {rank}, {block_size})")
+    if content_blocks < 0 or random_proposals < 0:
+        raise ValueError(f"{owner}: content_blocks and random_proposals must be >= 0 "
+                         f"(got {content_blocks} and {random_proposals})")
+
+
+@dataclass
+class TopologyConfig(ConfigFile):
+    """The learned topology of :class:`~sheafgnn.model.SheafStateLM`: its :class:`LearnedTopology` (the candidate
+    pools and the competition) and the losses that train the choice."""
+
+    k: int = 8  # candidates kept per destination (all edge types compete together)
+    rank: int = 16  # width r of the query/key projections
+    content_blocks: int = 2  # content-addressed blocks proposed per output (0: off)
+    block_size: int = 16  # tokens per content block B
+    random_proposals: int = 4  # seeded random past tokens proposed per output
+    # how a content block's token keys are summarised for its score: "mean" (NSA / MoBA) or "bounds" (Quest: the
+    # channel-wise max and min, an upper bound of the block's best token score)
+    block_summary: str = "mean"
+    block_scorer: bool = False  # content blocks scored by a scorer of their own, trained by block_distillation
+    block_loss_weight: float = 1.0  # the block scorer's distillation loss (its only training signal)
+    sink_threshold: bool = False  # keep only the candidates that outscore the destination's "nothing" logit
+    pool_loss_weight: float = 0.0  # next-token loss read from each block's whole pools (trains the choice; 0: off)
+    keep_cost: float = 0.0  # this weight times the expected kept edges per node (sigmoid(s_e - s_sink))
+
+    def __post_init__(self) -> None:
+        check_topology("TopologyConfig", self.k, self.rank, self.content_blocks, self.block_size,
+                       self.random_proposals, self.block_summary)
+        if min(self.pool_loss_weight, self.block_loss_weight, self.keep_cost) < 0:
+            raise ValueError(f"TopologyConfig: pool_loss_weight, block_loss_weight and keep_cost must be >= 0 "
+                             f"(got {self.pool_loss_weight}, {self.block_loss_weight} and {self.keep_cost})")
+
+    def module(self, channels: int, num_edge_types: int, num_node_types: int, content_type: int,
+               random_type: int) -> LearnedTopology:
+        """The :class:`LearnedTopology` this config describes (the losses are the model's to add)."""
+        return LearnedTopology(channels, num_edge_types, num_node_types, self.k, content_type, random_type,
+                               rank=self.rank, content_blocks=self.content_blocks, block_size=self.block_size,
+                               random_proposals=self.random_proposals, block_scorer=self.block_scorer,
+                               block_summary=self.block_summary, sink_threshold=self.sink_threshold)
 
 
 def topk_per_group(score: Tensor, group: Tensor, k: int) -> Tensor:
@@ -165,9 +214,11 @@ class LearnedTopology(TopologyStep, nn.Module):
 
     Args:
         channels (int): node width :math:`D`.
-        num_edge_types (int): glue edge types: the rule types, then content, then random.
+        num_edge_types (int): glue edge types (the rule types, content and random).
         num_node_types (int): flat node types (one sink logit each).
         k (int): candidates kept per destination.
+        content_type (int): the edge type of the content proposals (the caller looks it up by name).
+        random_type (int): the edge type of the random proposals.
         rank (int, optional): width :math:`r` of the query/key projections. (default: :obj:`16`)
         content_blocks (int, optional): blocks proposed per output; 0 switches content
             proposals off. (default: :obj:`2`)
@@ -192,22 +243,20 @@ class LearnedTopology(TopologyStep, nn.Module):
           :class:`~sheafgnn.nn.inference.TopologyDelta` and the block's cache -> the edges into the new nodes
     """
 
-    def __init__(self, channels: int, num_edge_types: int, num_node_types: int, k: int, rank: int = 16,
-                 content_blocks: int = 2, block_size: int = 16, random_proposals: int = 4, seed: int = 0,
-                 block_scorer: bool = False, block_summary: str = "mean", sink_threshold: bool = False) -> None:
+    def __init__(self, channels: int, num_edge_types: int, num_node_types: int, k: int, content_type: int,
+                 random_type: int, rank: int = 16, content_blocks: int = 2, block_size: int = 16,
+                 random_proposals: int = 4, seed: int = 0, block_scorer: bool = False, block_summary: str = "mean",
+                 sink_threshold: bool = False) -> None:
         super().__init__()
         name = self.__class__.__name__
-        if block_summary not in BLOCK_SUMMARIES:
-            raise ValueError(f"{name}: block_summary must be one of {BLOCK_SUMMARIES} (got {block_summary!r})")
-        if k < 1 or rank < 1 or block_size < 1:
-            raise ValueError(f"{name}: k, rank and block_size must be >= 1 (got {k}, {rank}, {block_size})")
-        if content_blocks < 0 or random_proposals < 0:
-            raise ValueError(f"{name}: content_blocks and random_proposals must be >= 0 "
-                             f"(got {content_blocks} and {random_proposals})")
+        check_topology(name, k, rank, content_blocks, block_size, random_proposals, block_summary)
+        if not (0 <= content_type < num_edge_types and 0 <= random_type < num_edge_types):
+            raise ValueError(f"{name}: content_type and random_type must be edge types in [0, {num_edge_types}) "
+                             f"(got {content_type} and {random_type})")
         self.channels, self.num_edge_types, self.k, self.rank = channels, num_edge_types, k, rank
         self.content_blocks, self.block_size, self.block_summary = content_blocks, block_size, block_summary
         self.random_proposals, self.seed, self.sink_threshold = random_proposals, seed, sink_threshold
-        self.content_type, self.random_type = num_edge_types - 2, num_edge_types - 1
+        self.content_type, self.random_type = content_type, random_type
         self.query = nn.Linear(channels, rank, bias=False)
         self.key = nn.Linear(channels, rank, bias=False)
         self.key_previous = nn.Linear(channels, rank, bias=False)  # a token's key also sees the token before it
