@@ -1,5 +1,7 @@
 """The optional C++ kernels (sheafgnn.nn.cpu_kernels) against their PyTorch references."""
 import functools
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -395,9 +397,6 @@ def test_a_failed_kernel_build_warns_once_and_changes_no_logit(monkeypatch, full
 def test_importing_the_kernels_installs_no_hook():
     """torch.nn's registration hooks are process-wide: a fresh interpreter that imports sheafgnn and builds a model
     has none of ours until a kernel caller first reads its layer's parameters (cpu_kernels.registered)."""
-    import subprocess
-    import sys
-
     code = ("import torch.nn.modules.module as m\nimport sheafgnn\nfrom sheafgnn.nn import cpu_kernels\n"
             "sheafgnn.SheafStateLM(sheafgnn.SheafStateConfig(d_model=16, n_layers=1))\n"
             "before = len(m._global_parameter_registration_hooks)\n"
