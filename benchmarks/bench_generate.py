@@ -12,7 +12,7 @@ turns, compares them in the same phase):
   states, SSM recurrences, the site grown by deltas);
 - ``dense``: the matched-parameter Transformer with its KV cache (the
   comparison a Transformer user would run; sizes as in ``sheafgnn compare``:
-  sheaf d_model 128, dense matched within 10%, 2 layers);
+  the default sheaf model, dense matched within 10%, 2 layers);
 - ``rebuild``: the old path, rebuilding the site of the whole context and
   running the full forward for every token (only up to ``--rebuild-max``).
 
@@ -58,6 +58,7 @@ from sheafgnn.data import corpus_ids
 from sheafgnn.experiments.report import pyplot, save_figure
 from sheafgnn.generation import sample_next
 from sheafgnn.lm import build_model, matched_options
+from sheafgnn.model import SheafStateConfig
 from sheafgnn.site import build_site
 
 
@@ -188,8 +189,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    options, counts = matched_options(("sheaf", "dense"), {"d_model": 128, "n_layers": 2}, 256, n_heads=4,
-                                      window=256)
+    options, counts = matched_options(("sheaf", "dense"), {"d_model": SheafStateConfig().d_model, "n_layers": 2},
+                                      256, n_heads=4, window=256)
     models = {}
     for kind in ("sheaf", "dense"):
         torch.manual_seed(0)

@@ -13,11 +13,13 @@
    the step: the C++ kernel (:func:`~sheafgnn.nn.cpu_kernels.block_topk`)
    against the PyTorch reference (chunked matmul + topk), same blocks checked.
 5. Sheaf against dense at 32k tokens in the same run, at the compare's
-   matched sizes (sheaf d_model 128, dense matched within 10%, 2 layers):
+   matched sizes (the default sheaf model, dense matched within 10%, 2 layers):
    forward+backward time and peak extra memory, and the sheaf model again with
-   ``recompute_ssm`` (each SSM's scan recomputed in backward) and with
-   ``checkpoint_blocks`` (each block recomputed in backward); each model in a
-   fresh process (:func:`fwd_bwd`), as in step 5b.
+   ``recompute_ssm`` (each SSM's scan recomputed in backward), with
+   ``checkpoint_blocks`` (each block recomputed in backward) and as the
+   previous default (:data:`PREVIOUS_DEFAULT`: what the change of default
+   costs, in the same run); each model in a fresh process (:func:`fwd_bwd`),
+   as in step 5b.
    5b. Sheaf at twice that (64k) against dense measured there (about 10
    minutes: a dense step at 64k takes 2.5 here), and against dense
    *estimated* there from :math:`t = a n^2 + b n` fitted to dense's times at
@@ -48,6 +50,7 @@ later step of this process, dense's included, runs under the tuned allocator.
 Usage::
 
     python benchmarks/bench_model.py [--out benchmarks/results] [--sizes 1024 4096 16384 65536]
+    python benchmarks/bench_model.py --compare-only [--out DIR]    steps 5 and 7 only: DIR/model_compare.json
 """
 
 from __future__ import annotations
@@ -81,6 +84,11 @@ from sheafgnn.nn.sheaf import SheafConv
 from sheafgnn.optim import make_optimizer
 from sheafgnn.site import SiteBuilder, SiteConfig, build_site
 from sheafgnn.train import train_step
+
+# The default sheaf model before gluing.mode "tokens" and the shared SSM and experts (at 3022dd9), at the
+# compare's size then: step 5 measures both defaults in one run.
+PREVIOUS_DEFAULT = {"d_model": 128, "gluing": {"mode": "outputs"}, "ssm": {"shared": False},
+                    "experts": {"shared": False}}
 
 
 def best_of(fn, repeats: int) -> float:
@@ -151,9 +159,10 @@ def proposal_cost(sizes: list[int], config: SheafStateConfig, repeats: int) -> l
 
 @functools.cache
 def compare_options() -> tuple[dict, dict]:
-    """The compare's sizes (sheaf d_model 128, 2 layers; dense matched to its parameters within 10%):
+    """The compare's sizes (the default sheaf model, 2 layers; dense matched to its parameters within 10%):
     model options and parameter counts per kind."""
-    return matched_options(("sheaf", "dense"), {"d_model": 128, "n_layers": 2}, 256, n_heads=4, window=256)
+    return matched_options(("sheaf", "dense"), {"d_model": SheafStateConfig().d_model, "n_layers": 2}, 256,
+                           n_heads=4, window=256)
 
 
 def compare_model(kind: str, extra: dict | None = None) -> tuple[torch.nn.Module, SiteConfig]:
@@ -199,12 +208,14 @@ def fwd_bwd_here(kind: str, n: int, repeats: int, extra: dict, memory: bool) -> 
 
 def sheaf_vs_dense(n: int, repeats: int) -> dict:
     """Forward+backward time (best of ``repeats``) and peak extra memory of one n-token window (after a warm-up step),
-    sheaf (as built, with ``recompute_ssm`` and with ``checkpoint_blocks``) against dense at matched parameters."""
+    sheaf (as built, with ``recompute_ssm``, with ``checkpoint_blocks`` and as :data:`PREVIOUS_DEFAULT`) against
+    dense at matched parameters."""
     options, counts = compare_options()
     out = {"n": n, "params": {k: counts[k] for k in ("sheaf", "dense")},
            "d_model": {k: options[k]["d_model"] for k in ("sheaf", "dense")}}
     runs = (("sheaf", "sheaf", {}), ("sheaf_recompute_ssm", "sheaf", {"ssm": {"recompute": True}}),
-            ("sheaf_checkpoint", "sheaf", {"checkpoint_blocks": True}), ("dense", "dense", {}))
+            ("sheaf_checkpoint", "sheaf", {"checkpoint_blocks": True}),
+            ("sheaf_previous_default", "sheaf", PREVIOUS_DEFAULT), ("dense", "dense", {}))
     for name, kind, extra in runs:
         row = fwd_bwd(kind, n, repeats, extra)
         out[f"{name}_s"], out[f"{name}_peak_extra_bytes"] = row["s"], row["peak_extra_bytes"]
@@ -215,6 +226,8 @@ def sheaf_vs_dense(n: int, repeats: int) -> dict:
         out[f"{name}_over_plain"] = {"time": out[f"sheaf_{name}_s"] / out["sheaf_s"],
                                      "memory": out[f"sheaf_{name}_peak_extra_bytes"] / out["sheaf_peak_extra_bytes"]}
     out["dense_over_sheaf_recompute_ssm"] = out["dense_s"] / out["sheaf_recompute_ssm_s"]
+    out["dense_over_sheaf_previous_default"] = out["dense_s"] / out["sheaf_previous_default_s"]
+    out["ratio_default_over_previous"] = out["dense_over_sheaf"] / out["dense_over_sheaf_previous_default"]
     out["sheaf_recompute_ssm_over_dense_memory"] = (out["sheaf_recompute_ssm_peak_extra_bytes"]
                                                     / out["dense_peak_extra_bytes"])
     return out
@@ -379,6 +392,34 @@ def plot(rows: list[dict], path: Path) -> None:
     save_figure(fig, path, dpi=120)
 
 
+def machine() -> dict:
+    return {"platform": platform.platform(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "torch_scatter": HAS_TORCH_SCATTER}
+
+
+def versus_dense(args: argparse.Namespace) -> dict:
+    """Step 5, printed."""
+    print(f"5. sheaf vs dense at {args.compare_n} tokens, matched parameters")
+    versus = sheaf_vs_dense(args.compare_n, args.repeats)
+    print(f"  dense / sheaf: {versus['dense_over_sheaf']:.2f}x time, sheaf / dense memory "
+          f"{versus['sheaf_over_dense_memory']:.2f}; with recompute_ssm: "
+          f"{versus['dense_over_sheaf_recompute_ssm']:.2f}x time, memory "
+          f"{versus['sheaf_recompute_ssm_over_dense_memory']:.2f}; checkpoint_blocks / plain: "
+          f"time {versus['checkpoint_over_plain']['time']:.2f}, memory {versus['checkpoint_over_plain']['memory']:.2f}"
+          f"; the previous default: {versus['dense_over_sheaf_previous_default']:.2f}x (default / previous: "
+          f"{versus['ratio_default_over_previous']:.2f})")
+    return versus
+
+
+def training_versus_dense(args: argparse.Namespace) -> dict:
+    """Step 7, printed."""
+    print(f"7. training tokens/s at context 1024, batches of 4, {args.train_rounds} rounds of {args.train_steps} steps "
+          "per model, taking turns")
+    training = train_throughput(1024, 4, args.train_steps, args.train_rounds)
+    print(f"  sheaf / dense: {training['sheaf_over_dense']:.2f}x (target >= 1)")
+    return training
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="benchmarks/results")
@@ -398,6 +439,8 @@ def main() -> None:
                              "(saves about 10 minutes)")
     parser.add_argument("--untuned", action="store_true", help="step 1 only, without sheafgnn.tune_cpu() "
                         "(writes model_untuned.json)")
+    parser.add_argument("--compare-only", action="store_true",
+                        help="steps 5 and 7 only (the cost of a change of default), written to model_compare.json")
     parser.add_argument("--fwd-bwd", metavar="JSON", help="one fwd_bwd_here measurement (its JSON arguments), "
                         "printed as JSON: the fresh process of steps 5 and 5b")
     args = parser.parse_args()
@@ -410,6 +453,11 @@ def main() -> None:
     config = SheafStateConfig(d_model=args.d_model, n_layers=args.layers)
     if not args.untuned:
         tune_cpu()  # as a user's run does (the sheafgnn command, the training loop)
+    if args.compare_only:
+        result = {"machine": machine(), "sheaf_vs_dense": versus_dense(args), "training": training_versus_dense(args)}
+        (out / "model_compare.json").write_text(json.dumps(result, indent=2))
+        print(f"wrote {out / 'model_compare.json'}")
+        return
     if args.untuned:
         rows = model_scaling(args.sizes, args.repeats, config)
         (out / "model_untuned.json").write_text(json.dumps({"model": rows, "slopes_4k_up": scaling_slopes(rows)}))
@@ -436,13 +484,7 @@ def main() -> None:
     proposals = proposal_cost(args.sizes, config, args.repeats)
     for row, model_row in zip(proposals, rows):
         row["share_of_step"] = row["content_proposals_s"] * config.n_layers / model_row["fwd_bwd_s"]
-    print(f"5. sheaf vs dense at {args.compare_n} tokens, matched parameters")
-    versus = sheaf_vs_dense(args.compare_n, args.repeats)
-    print(f"  dense / sheaf: {versus['dense_over_sheaf']:.2f}x time, sheaf / dense memory "
-          f"{versus['sheaf_over_dense_memory']:.2f}; with recompute_ssm: "
-          f"{versus['dense_over_sheaf_recompute_ssm']:.2f}x time, memory "
-          f"{versus['sheaf_recompute_ssm_over_dense_memory']:.2f}; checkpoint_blocks / plain: "
-          f"time {versus['checkpoint_over_plain']['time']:.2f}, memory {versus['checkpoint_over_plain']['memory']:.2f}")
+    versus = versus_dense(args)
 
     long_n = 2 * args.compare_n
     print(f"5b. sheaf at {long_n} tokens against dense measured there"
@@ -463,14 +505,9 @@ def main() -> None:
               f"{gluing[f'fused_{maps}_saved_bytes'] / 2**20:.0f} MiB saved; reference "
               f"{gluing[f'reference_{maps}_s']:.3f} s, {gluing[f'reference_{maps}_saved_bytes'] / 2**20:.0f} MiB saved")
 
-    print(f"7. training tokens/s at context 1024, batches of 4, {args.train_rounds} rounds of {args.train_steps} steps "
-          "per model, taking turns")
-    training = train_throughput(1024, 4, args.train_steps, args.train_rounds)
-    print(f"  sheaf / dense: {training['sheaf_over_dense']:.2f}x (target >= 1)")
+    training = training_versus_dense(args)
 
-    result = {"machine": {"platform": platform.platform(), "threads": torch.get_num_threads(),
-                          "torch": torch.__version__,
-                          "torch_scatter": HAS_TORCH_SCATTER},
+    result = {"machine": machine(),
               "config": config.to_dict(), "model": rows, "slopes_4k_up": slopes,
               "model_untuned_allocator": untuned["model"], "slopes_4k_up_untuned_allocator": untuned["slopes_4k_up"],
               "targets": {"slope_time_met": slopes["time"] <= 1.1, "slope_memory_met": slopes["memory"] <= 1.1,

@@ -2,8 +2,8 @@
 
 Each run trains in a fresh process (the C heap is per process) as a user's
 run does: windows of the embedded corpus built into sites, PyG DataLoader,
-AdamW, :func:`~sheafgnn.train.train_step`, at the compare's sizes (sheaf
-d_model 128, 2 layers; dense matched to its parameters within 10%). Every
+AdamW, :func:`~sheafgnn.train.train_step`, at the compare's sizes (the
+default sheaf model, 2 layers; dense matched to its parameters within 10%). Every
 ``--every`` steps it records:
 
 - ``rss_bytes``: the process's resident set (``VmRSS``);
@@ -45,6 +45,7 @@ from sheafgnn.data import WindowDataset, corpus_ids
 from sheafgnn.experiments.report import pyplot, save_figure
 from sheafgnn.lm import build_model, matched_options
 from sheafgnn.memory import heap_stats, resident_bytes
+from sheafgnn.model import SheafStateConfig
 from sheafgnn.optim import make_optimizer
 from sheafgnn.site import SiteBuilder, SiteConfig
 from sheafgnn.train import train_step
@@ -66,7 +67,8 @@ def live_tensor_bytes() -> int:
 
 def train_here(kind: str, steps: int, every: int, context: int, batch_size: int) -> list[dict]:
     """Train one model ``steps`` steps in this process; a record every ``every`` steps (and the last)."""
-    options, _ = matched_options(KINDS, {"d_model": 128, "n_layers": 2}, 256, n_heads=4, window=256)
+    options, _ = matched_options(KINDS, {"d_model": SheafStateConfig().d_model, "n_layers": 2}, 256, n_heads=4,
+                                 window=256)
     site = {} if kind == "sheaf" else {"patch_types": []}
     torch.manual_seed(0)
     model = build_model(kind, options[kind], 256, site).train()

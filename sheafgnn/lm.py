@@ -136,8 +136,10 @@ def build_model(kind: str, options: dict, vocab_size: int, site: dict | None = N
     if kind in ATTENTION_KINDS:
         _check_fields(TransformerConfig, options, kind)
         return SequenceLM(CausalTransformer(TransformerConfig(**attention_options(kind, options))))
-    from sheafgnn.model import SheafStateConfig, SheafStateLM
+    from sheafgnn.model import SheafStateConfig, SheafStateLM, nest_flat_keys
 
+    if kind == "ssm" and (nest_flat_keys(options)[0].get("gluing") or {}).get("mode", "off") != "off":
+        raise ValueError("build_model: model 'ssm' is the sheaf model with gluing off; drop model_config.gluing.mode")
     options = SheafStateConfig.nested(options)
     _check_fields(SheafStateConfig, options, kind)
     from sheafgnn.site import SiteConfig
@@ -148,12 +150,8 @@ def build_model(kind: str, options: dict, vocab_size: int, site: dict | None = N
         raise ValueError("build_model: model_config.site differs from the data's site rules; set the site "
                          "options once, in the training config's top-level `site`")
     options["site"] = site
-    if kind == "ssm":
-        gluing = dict(options.get("gluing") or {})
-        if gluing.get("mode", "off") != "off":
-            raise ValueError("build_model: model 'ssm' is the sheaf model with gluing off; drop "
-                             "model_config.gluing.mode")
-        options["gluing"] = {**gluing, "mode": "off"}
+    if kind == "ssm":  # (an earlier version's flat config has gluing.mode outputs from FLAT_DEFAULTS: replaced)
+        options["gluing"] = {**options.get("gluing", {}), "mode": "off"}
     return SheafStateLM(SheafStateConfig.from_dict(options))
 
 
@@ -166,16 +164,24 @@ def count_model_parameters(kind: str, options: dict, vocab_size: int, site: dict
 
 
 def _match_ssm_width(target: int, base: dict, vocab_size: int, tolerance: float) -> dict:
-    """The ssm options (sheaf options, gluing off) whose d_model brings it closest to ``target`` parameters."""
+    """The ssm options (sheaf options, gluing off) whose d_model brings it closest to ``target`` parameters.
+
+    Widths go in steps of ``stalk_dim``; at a width that the sheaf options' ``headdim`` does not divide (times
+    ``expand``), the ssm takes the largest divisor of that headdim that does: steps of ``headdim`` (32 by default)
+    are too coarse to match a small model within 10%."""
     from sheafgnn.model import SheafStateConfig
 
     defaults = SheafStateConfig()
     ssm, gluing = base.get("ssm") or {}, base.get("gluing") or {}
     base = {**base, "gluing": {**gluing, "mode": "off"}}
-    stalk = gluing.get("stalk_dim", defaults.gluing.stalk_dim)
+    step = gluing.get("stalk_dim", defaults.gluing.stalk_dim)
     headdim, expand = ssm.get("headdim", defaults.ssm.headdim), ssm.get("expand", defaults.ssm.expand)
-    step = math.lcm(stalk, headdim // math.gcd(headdim, expand))  # keeps stalk_dim | d and headdim | d * expand
-    count = lambda k: count_model_parameters("ssm", {**base, "d_model": k * step}, vocab_size)
+
+    def options(k: int) -> dict:
+        d = k * step
+        return {**base, "d_model": d, "ssm": {**ssm, "headdim": math.gcd(headdim, d * expand)}}
+
+    count = lambda k: count_model_parameters("ssm", options(k), vocab_size)
     lo, hi = 1, 1
     while count(hi) < target:
         lo, hi = hi, hi * 2
@@ -189,7 +195,7 @@ def _match_ssm_width(target: int, base: dict, vocab_size: int, tolerance: float)
     if err > tolerance:
         raise ValueError(f"matched_options: the closest ssm width d_model={best * step} is {err:.1%} from the sheaf "
                          f"model's {target} parameters (tolerance {tolerance:.0%}); change n_layers or expand")
-    return {**base, "d_model": best * step}
+    return options(best)
 
 
 def matched_options(kinds: tuple[str, ...], sheaf_options: dict, vocab_size: int, *, n_heads: int, window: int,

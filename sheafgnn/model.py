@@ -96,7 +96,7 @@ class GluingConfig(ConfigFile):
     # reach the tokens through the broadcast times a per-channel gate initialised at 0, so that the model starts as
     # its ssm ablation; R reads the tokens. "outputs": the outputs keep their own states across blocks, R reads
     # them, and each block adds their broadcast to the tokens. "off": no patches, no gluing (the ssm ablation).
-    mode: str = "outputs"
+    mode: str = "tokens"
     stalk_dim: int = 4  # d, the stalk dimension of the sheaf (d_model = d * channels)
     map_kind: str = "diag"  # restriction maps: diag | orthogonal | general | identity (SheafConv)
     gate: bool = False  # "outputs": h + g * (G(h) - h) with a per-channel g initialised at 0
@@ -124,6 +124,11 @@ FLAT_KEYS = {
     "sink_threshold": ("topology", "sink_threshold"), "pool_loss_weight": ("topology", "pool_loss_weight"),
     "keep_cost": ("topology", "keep_cost"),
 }
+
+
+# The defaults of the flat layout that the nested one changed: a config with flat keys was written by an earlier
+# version, and where it is silent these fill it, not today's.
+FLAT_DEFAULTS = {"gluing": {"mode": "outputs"}, "ssm": {"shared": False}, "experts": {"shared": False}}
 
 
 def nest_flat_keys(values: dict) -> tuple[dict, list[str]]:
@@ -155,7 +160,7 @@ class SheafStateConfig(ConfigFile):
     ``map_kind``, ...) still load, with a deprecation warning naming their new place (:data:`FLAT_KEYS`)."""
 
     vocab_size: int = 256  # tokenizer vocabulary (256: byte tokenizer)
-    d_model: int = 128  # stalk width D = stalk_dim * channels
+    d_model: int = 256  # stalk width D = stalk_dim * channels
     n_layers: int = 2  # blocks of (Phi, pool, G, E, broadcast)
     num_topics: int = 64  # topic ids embedded (ids wrap modulo this)
     validate_sites: bool = True  # run validate_site (schema + causality) on every input; O(edges)
@@ -189,10 +194,14 @@ class SheafStateConfig(ConfigFile):
 
     @staticmethod
     def nested(values: dict) -> dict:
-        """``values`` with the flat keys of earlier versions moved to their groups (:func:`nest_flat_keys`), and a
-        :class:`FutureWarning` that names each move."""
+        """``values`` with the flat keys of earlier versions moved to their groups (:func:`nest_flat_keys`) over
+        the defaults of those versions (:data:`FLAT_DEFAULTS`), and a :class:`FutureWarning` that names each move."""
         nested, moved = nest_flat_keys(values)
-        if moved:
+        if moved:  # an earlier version's config: its defaults fill what it does not say
+            for group, fields in FLAT_DEFAULTS.items():
+                nested[group] = {**fields, **nested.get(group, {})}
+            moved.append("unset fields keep the flat layout's defaults (FLAT_DEFAULTS: gluing.mode outputs, "
+                         "ssm.shared false, experts.shared false)")
             warnings.warn("SheafStateConfig: these flat keys are deprecated and were moved: " + "; ".join(moved),
                           FutureWarning, stacklevel=3)
         return nested

@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from sheafgnn.model import SheafStateConfig, nest_flat_keys
+from sheafgnn.model import SheafStateConfig, SheafStateLM, nest_flat_keys
 from sheafgnn.nn import cpu_kernels, segment
 from sheafgnn.site import PATCH_TYPES, SiteConfig, TopicModel, build_site
 from sheafgnn.site.rules import split_sentences
@@ -33,6 +33,41 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         if os.environ.get("SHEAFGNN_REQUIRE_KERNELS") == "1":
             pytest.fail(f"{reason}; SHEAFGNN_REQUIRE_KERNELS=1 makes this a failure, not a skip", pytrace=False)
         pytest.skip(reason)
+
+GATES = ("glue_gate", "broadcast_gate")  # the gluing's gates, zero at initialisation
+RESET = SheafStateLM.reset_parameters  # as the library defines it
+
+
+def open_gates(model: SheafStateLM) -> SheafStateLM:
+    """``model`` with its gluing gates drawn at random (in place)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(GATES):
+                p.normal_(0.0, 0.2)
+    return model
+
+
+@pytest.fixture(scope="session", autouse=True)
+def models_with_open_gates():
+    """Every ``SheafStateLM`` the tests build has its gluing gates drawn at random. At zero (their initialisation:
+    the model starts as its ssm ablation) they keep the gluing out of the logits, and a test of causality, of the
+    stream against the forward or of a kernel against its reference would pass whatever the gluing computed.
+    A test of the initial model itself is marked ``closed_gates``; a model built in a subprocess calls
+    :func:`open_gates`."""
+    def reset_with_open_gates(model: SheafStateLM) -> None:
+        RESET(model)
+        open_gates(model)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(SheafStateLM, "reset_parameters", reset_with_open_gates)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def closed_gates(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if request.node.get_closest_marker("closed_gates"):
+        monkeypatch.setattr(SheafStateLM, "reset_parameters", RESET)
+
 
 PROSE = (
     "### Instruction: summarise the passage below.\n"

@@ -124,7 +124,7 @@ def test_each_shipped_training_config_trains_two_steps(tmp_path, capsys, kind):
 
 
 def test_the_shipped_task_config_trains_two_steps(tmp_path, capsys):
-    tiny = ["--d-model", "32", "--n-layers", "1", "--window", "16", "--sheaf", '{"ssm": {"headdim": 16}}',
+    tiny = ["--d-model", "64", "--n-layers", "1", "--window", "16", "--sheaf", '{"ssm": {"headdim": 16}}',
             "--batch-size", "2",
             "--test-examples", "2", "--mqar-seq-len", "64", "--mqar-pairs", "4", "--mqar-vocab", "64",
             "--copy-seq-len", "32", "--copy-tokens", "4", "--induction-train-len", "32", "--induction-test-lens", "32"]
@@ -143,14 +143,14 @@ def test_inspect_from_config_and_from_a_training_run(tmp_path, capsys):
     text = tmp_path / "text.txt"
     text.write_text(PROSE)
     config = tmp_path / "model.yaml"
-    config.write_text(yaml.safe_dump({"d_model": 32, "n_layers": 1, "headdim": 16}))
+    config.write_text(yaml.safe_dump({"d_model": 32, "n_layers": 1, "ssm": {"headdim": 16}}))
     assert main(["inspect", str(config), "--text", str(text), "--out", str(tmp_path / "a")]) == 0
     assert (tmp_path / "a" / "topology.graphml").is_file()
 
     run_dir = tmp_path / "run"
     train = tmp_path / "train.yaml"
     train.write_text(yaml.safe_dump({
-        "model": "sheaf", "model_config": {"d_model": 32, "n_layers": 1, "headdim": 16}, "context": 64,
+        "model": "sheaf", "model_config": {"d_model": 32, "n_layers": 1, "ssm": {"headdim": 16}}, "context": 64,
         "batch_size": 2, "steps": 2, "eval_every": 2, "eval_batches": 1, "checkpoint_every": 2,
         "out_dir": str(run_dir), "progress": False, "tensorboard": False, "device": "cpu"}))
     assert main(["train", "--config", str(train)]) == 0
@@ -161,7 +161,7 @@ def test_inspect_from_config_and_from_a_training_run(tmp_path, capsys):
 
     # a shipped training config: its sheaf model, untrained; a dense config is refused in one line
     model, _ = load_model(CONFIGS / "sheaf.yaml")
-    assert isinstance(model, SheafStateLM) and model.config.d_model == 128
+    assert isinstance(model, SheafStateLM) and model.config.d_model == 256
     assert main(["inspect", str(CONFIGS / "dense.yaml"), "--text", str(text)]) == 2
     assert "needs a sheaf model" in capsys.readouterr().err
 

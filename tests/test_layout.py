@@ -233,7 +233,7 @@ def _check_the_line_type() -> None:
     from sheafgnn.site.patches import BUILT_IN
     from sheafgnn.site.schema import GLUE_EDGES, NODE_ATTRIBUTES
 
-    from .conftest import CODE, PROSE, small_model_config
+    from .conftest import CODE, PROSE, open_gates, small_model_config
     from .test_site_stream import check_stream, random_chunks
 
     assert Path(sheafgnn.__file__).resolve().parent == Path.cwd().resolve() / "sheafgnn", "not the copy"
@@ -254,7 +254,7 @@ def _check_the_line_type() -> None:
     check_stream(ids, random_chunks(ids.numel(), seed=7), config)
 
     torch.manual_seed(0)
-    model = SheafStateLM(small_model_config(config)).eval()
+    model = open_gates(SheafStateLM(small_model_config(config))).eval()  # a subprocess: no conftest fixture
     assert model.indent_embedding.num_embeddings == 5
     prefix = ids[:150]
     with torch.no_grad():

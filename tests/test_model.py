@@ -212,6 +212,7 @@ def test_ssm_ablation_has_no_gluing(full_config):
         model.topology(data)
 
 
+@pytest.mark.closed_gates
 @pytest.mark.parametrize("shared", [False, True])
 def test_token_residual_starts_as_its_ssm(full_config, shared):
     """With token_residual the sheaf model at initialisation computes what its ssm ablation computes: given the
@@ -308,8 +309,13 @@ def test_flat_keys_of_earlier_versions_load_with_a_deprecation_warning():
             "gluing": True, "token_residual": True, "tune_cpu_allocator": True, "site": {"local_window": 8}}
     with pytest.warns(FutureWarning, match="topology_rank -> topology.rank.*proposal_block -> topology.block_size"):
         config = SheafStateConfig.from_dict(flat)
-    assert config == SheafStateConfig(d_model=32, topology={"rank": 64, "block_size": 4}, ssm={"headdim": 16},
+    assert config == SheafStateConfig(d_model=32, topology={"rank": 64, "block_size": 4},
+                                      ssm={"headdim": 16, "shared": False}, experts={"shared": False},
                                       gluing={"map_kind": "general", "mode": "tokens"}, site={"local_window": 8})
+    with pytest.warns(FutureWarning, match="flat layout's defaults"):  # where a flat config is silent: its defaults
+        legacy = SheafStateConfig.from_dict({"topology_rank": 16})
+    assert (legacy.gluing.mode, legacy.ssm.shared, legacy.experts.shared) == ("outputs", False, False)
+    assert SheafStateConfig.from_dict({"topology": {"rank": 16}}).gluing.mode == SheafStateConfig().gluing.mode
     with pytest.warns(FutureWarning, match="gluing.mode: off"):
         assert SheafStateConfig.from_dict({"gluing": False}).gluing.mode == "off"
 

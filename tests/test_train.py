@@ -25,6 +25,7 @@ from sheafgnn.checkpoint import CheckpointError, latest_checkpoint, load_checkpo
 from sheafgnn.cli import main
 from sheafgnn.data import StepSampler, WindowDataset
 from sheafgnn.lm import SequenceLM, build_model
+from sheafgnn.model import SheafStateConfig
 from sheafgnn.optim import cosine_lr, make_optimizer, param_groups
 from sheafgnn.site import ByteTokenizer, SiteBuilder, SiteConfig
 from sheafgnn.train import TrainConfig, TrainingDiverged, evaluate, train, train_step
@@ -242,15 +243,15 @@ def test_loss_falls(corpus, tmp_path):
 
 @pytest.mark.parametrize("kind", ["local", "sheaf", "ssm"])
 def test_every_model_kind_trains(corpus, tmp_path, kind):
-    options = {"local": dict(TINY, window=16), "sheaf": dict(d_model=32, n_layers=1, headdim=16, chunk_size=16),
-               "ssm": dict(d_model=32, n_layers=1, headdim=16, chunk_size=16)}[kind]
+    sheaf = dict(d_model=32, n_layers=1, ssm={"headdim": 16, "chunk_size": 16})
+    options = {"local": dict(TINY, window=16), "sheaf": sheaf, "ssm": sheaf}[kind]
     site = {"patch_types": []} if kind == "local" else {"local_window": 8}
     result = train(tiny(corpus, tmp_path, model=kind, model_config=options, site=site, steps=3, eval_every=3,
                         eval_batches=1))
     assert all(math.isfinite(v) for v in result["history"].values()) and math.isfinite(result["val_bpb"])
     state = torch.load(tmp_path / "checkpoints" / "step_000003" / "state.pt", weights_only=True)
     if kind != "local":
-        assert state["model_config"]["gluing"]["mode"] == ("outputs" if kind == "sheaf" else "off")
+        assert state["model_config"]["gluing"]["mode"] == (SheafStateConfig().gluing.mode if kind == "sheaf" else "off")
         assert state["model_config"]["site"] == SiteConfig.from_dict(site).to_dict()
 
 

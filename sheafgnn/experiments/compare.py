@@ -90,7 +90,7 @@ class CompareConfig(ConfigFile):
     eval_batches: int = 8  # validation batches of batch_size windows (the same windows for every model)
     inference_batches: int = 2  # validation batches timed for inference tokens/s
     seed: int = 0  # init, data order
-    d_model: int = 128  # the sheaf model's width; the others are matched to its parameter count
+    d_model: int = 256  # the sheaf model's width (the default); the others are matched to its parameter count
     n_layers: int = 2  # blocks of every model
     n_heads: int = 4  # attention heads of dense and local
     window: int = 256  # local attention window (tokens)

@@ -170,12 +170,11 @@ def markdown(report: dict) -> str:
 
 def _curve_label(kind: str, config: dict, several_runs: bool) -> str:
     """The model, whether the sheaf model had the hash rule, and, when several runs share a figure,
-    the sheaf model's topology rank and other settings and every model's learning rate."""
+    the sheaf model's settings over the default and every model's learning rate."""
     notes = ["hash retrieval"] if kind == "sheaf" and config["hash_retrieval"] else []
     if several_runs:
         if kind == "sheaf":
-            notes.append(f"rank {({**SheafStateConfig().to_dict(), **config['sheaf']})['topology_rank']}")
-            notes.extend(f"{key} {value}" for key, value in config["sheaf"].items() if key != "topology_rank")
+            notes.extend(f"{group} {value}" for group, value in config["sheaf"].items())
         notes.append(f"lr {config['lr']:g}")
     return f"{kind} ({', '.join(notes)})" if notes else kind
 

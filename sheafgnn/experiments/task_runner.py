@@ -88,9 +88,6 @@ from sheafgnn.train import resolve_device, train_step
 TASKS = ("mqar", "scattered_recall", "selective_copying", "induction_heads")
 RECALL_TASKS = ("mqar", "scattered_recall")  # scored per pair; their test lengths keep the training pair density
 TASK_SITE = {"patch_types": ["local", "workspace", "output"], "retrieval_key_len": 1}
-# The tasks train the choice with the pool-read loss (off in SheafStateConfig): MQAR (128, 8) 0.975 without it,
-# 0.995 with it (tasks/summary.json). TasksConfig.sheaf is merged over these (its fields win).
-TASK_SHEAF = {"topology": {"pool_loss_weight": 1.0}}
 NEUTRAL_BYTE = ord("x")  # what every task id stands for in the builder's byte rules
 ZOOLOGY = {"mqar_seq_len": 512, "mqar_pairs": 64, "mqar_vocab": 8192}
 
@@ -131,7 +128,7 @@ class TasksConfig(ConfigFile):
     n_heads: int = 2  # attention heads of dense and local
     window: int = 64  # local attention window (tokens)
     equal_width: bool = False  # True: every model at d_model; False: baselines matched to the sheaf parameters
-    sheaf: dict = field(default_factory=dict)  # further SheafStateConfig fields (sheaf and ssm), over TASK_SHEAF
+    sheaf: dict = field(default_factory=dict)  # SheafStateConfig fields over the default (sheaf and ssm)
     site: dict = field(default_factory=lambda: dict(TASK_SITE))  # the sheaf model's SiteConfig (module docstring)
     hash_retrieval: bool = False  # sheaf: switch the site's hash retrieval rule on (retrieval patch type)
     steps: int = 40  # optimizer steps per task and model
@@ -167,8 +164,7 @@ class TasksConfig(ConfigFile):
 
     def __post_init__(self) -> None:
         self.models, self.tasks = tuple(self.models), tuple(self.tasks)
-        sheaf = SheafStateConfig.nested(self.sheaf)
-        self.sheaf = {**sheaf, "topology": {**TASK_SHEAF["topology"], **sheaf.get("topology", {})}}
+        self.sheaf = SheafStateConfig.nested(self.sheaf)
         self.induction_test_lens = tuple(sorted(set(self.induction_test_lens)))
         if not self.models or set(self.models) - set(MODEL_KINDS):
             raise ValueError(f"TasksConfig: models must be a non-empty subset of {MODEL_KINDS} (got {self.models})")

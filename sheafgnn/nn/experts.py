@@ -31,7 +31,7 @@ class ExpertsConfig(ConfigFile):
 
     mult: int = 2  # expert hidden width = mult * d_model
     num_experts: int = 1  # experts per node type (> 1: top-1 routing + balance loss)
-    shared: bool = False  # one set of experts for every node type (the type embeddings still differ)
+    shared: bool = True  # one set of experts for every node type (the type embeddings still differ)
     balance_weight: float = 1e-2  # weight of the experts' load-balancing loss
 
     def __post_init__(self) -> None:

@@ -76,7 +76,7 @@ class SSMConfig(ConfigFile):
     headdim: int = 32  # head dimension P; must divide expand * d_model
     chunk_size: int = 64  # SSD chunk length
     recompute: bool = False  # training: keep the input projection only, rerun conv, scan and gated norm in backward
-    shared: bool = False  # the patch chains run the token chain's SSM (its weights; their own norm)
+    shared: bool = True  # the patch chains run the token chain's SSM (its weights; their own norm)
 
     def __post_init__(self) -> None:
         for name in ("d_state", "expand", "headdim", "chunk_size"):
