@@ -121,7 +121,8 @@ def markdown(report: dict) -> str:
              f"The default sheaf model (d_model {cfg['d_model']}, 2 layers), {cfg['tokens']:,} training tokens per "
              f"variant and seed (seeds {seeds}) at lr {cfg['lr']:g}, context {cfg['context']}, batch "
              f"{cfg['batch_size']}; {cfg['jobs']} runs at a time, {cfg['threads']} thread(s) each, "
-             f"{report['wall_s'] / 60:.1f} min in all. Change: the variant's mean validation bits per byte minus the "
+             f"{sum(r['train_s'] for r in report['runs']) / 60:.0f} min of training in all (kept runs included). "
+             "Change: the variant's mean validation bits per byte minus the "
              "full model's (positive: what was switched off pays for itself).\n",
              f"Seed spread of the full model: {report['seed_spread']:.4f} bits/byte (largest minus smallest over the "
              "seeds). Patch types with no nodes in the default sites of the first 8,192 validation tokens, so not "

@@ -161,7 +161,8 @@ def test_inspect_from_config_and_from_a_training_run(tmp_path, capsys):
 
     # a shipped training config: its sheaf model, untrained; a dense config is refused in one line
     model, _ = load_model(CONFIGS / "sheaf.yaml")
-    assert isinstance(model, SheafStateLM) and model.config.d_model == 256
+    shipped = TrainConfig.load(CONFIGS / "sheaf.yaml").model_config
+    assert isinstance(model, SheafStateLM) and model.config.d_model == shipped["d_model"]
     assert main(["inspect", str(CONFIGS / "dense.yaml"), "--text", str(text)]) == 2
     assert "needs a sheaf model" in capsys.readouterr().err
 
