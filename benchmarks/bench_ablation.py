@@ -4,6 +4,8 @@ Trains the default sheaf model (``SheafStateConfig()`` at ``--d-model``, 2 layer
 variants with one part changed, each at every seed of ``--seeds``, on the same tokens and data order:
 
     ssm                     the gluing off (the ssm ablation at the same width): what the gluing buys
+    ssm_matched             the gluing off at the full model's parameter count (a wider ssm, as ``sheafgnn
+                            compare`` matches it): what the gluing buys against the same parameters
     no_<type>               a patch type of the default site (its nodes and every edge touching them); types
                             with no nodes in the default sites (topic: no topic model) are listed, not run
     no_content_proposals    the content-addressed proposals (topology.content_blocks 0)
@@ -44,6 +46,7 @@ import torch
 
 from sheafgnn.data import corpus_ids
 from sheafgnn.experiments.report import pyplot, write_json, write_report
+from sheafgnn.lm import matched_options
 from sheafgnn.model import SheafStateConfig
 from sheafgnn.site import SiteConfig, build_site
 from sheafgnn.site.schema import PATCH_TYPES
@@ -63,8 +66,10 @@ def variants(d_model: int, patch_types: list[str]) -> dict[str, dict]:
     """Name -> {model, model_config, site} of every variant (one per patch type of ``patch_types``)."""
     model = {"d_model": d_model, "n_layers": 2}
     default = SheafStateConfig()
+    matched = matched_options(("ssm",), model, 256, n_heads=4, window=256)[0]["ssm"]  # byte vocabulary
     out = {"full": {"model": "sheaf", "model_config": model, "site": {}},
-           "ssm": {"model": "ssm", "model_config": model, "site": {"patch_types": []}}}
+           "ssm": {"model": "ssm", "model_config": model, "site": {"patch_types": []}},
+           "ssm_matched": {"model": "ssm", "model_config": matched, "site": {"patch_types": []}}}
     for patch_type in patch_types:
         site = {"patch_types": [p for p in default.site.patch_types if p != patch_type]}
         out[f"no_{patch_type}"] = {"model": "sheaf", "model_config": model, "site": site}
