@@ -61,6 +61,7 @@ from sheafgnn.experiments.recurrence import bucket_names, loss_by_distance
 from sheafgnn.experiments.report import config_from_args, pyplot, report_parser, run_report_command, write_report
 from sheafgnn.lm import MODEL_KINDS, build_model, matched_options, print_parameter_counts
 from sheafgnn.memory import PeakMemory, tune_cpu
+from sheafgnn.model import SheafStateConfig
 from sheafgnn.site import ByteTokenizer, SiteConfig, build_site
 from sheafgnn.train import TrainConfig, build_datasets, evaluate, resolve_device, train
 
@@ -90,7 +91,7 @@ class CompareConfig(ConfigFile):
     eval_batches: int = 8  # validation batches of batch_size windows (the same windows for every model)
     inference_batches: int = 2  # validation batches timed for inference tokens/s
     seed: int = 0  # init, data order
-    d_model: int = 256  # the sheaf model's width (the default); the others are matched to its parameter count
+    d_model: int = SheafStateConfig().d_model  # the sheaf model's width; the others are matched to its parameters
     n_layers: int = 2  # blocks of every model
     n_heads: int = 4  # attention heads of dense and local
     window: int = 256  # local attention window (tokens)
