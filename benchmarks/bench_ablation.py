@@ -15,6 +15,8 @@ variants with one part changed, each at every seed of ``--seeds``, on the same t
     experts_per_type        one expert per node type (experts.shared false)
     gluing_into_outputs     the earlier design: outputs keep their states and R reads them (gluing.mode outputs)
     pool_loss               the auxiliary pool-read loss switched the other way (topology.pool_loss_weight 1 or 0)
+    projections             the D x D linears of the pool and the broadcast switched the other way
+                            (gluing.projections)
 
 and reports per variant the mean validation bits per byte over the seeds, its change against the full model's
 mean (positive: the part pays), the seed spread of the full model (the noise a change is measured against),
@@ -79,7 +81,8 @@ def variants(d_model: int, patch_types: list[str]) -> dict[str, dict]:
                "separate_patch_ssm": {"ssm": {"shared": not default.ssm.shared}},
                "experts_per_type": {"experts": {"shared": not default.experts.shared}},
                "gluing_into_outputs": {"gluing": {"mode": "outputs"}},
-               "pool_loss": {"topology": {"pool_loss_weight": 0.0 if default.topology.pool_loss_weight else 1.0}}}
+               "pool_loss": {"topology": {"pool_loss_weight": 0.0 if default.topology.pool_loss_weight else 1.0}},
+               "projections": {"gluing": {"projections": not default.gluing.projections}}}
     for name, change in changes.items():
         out[name] = {"model": "sheaf", "model_config": {**model, **change}, "site": {}}
     return out

@@ -100,6 +100,9 @@ class GluingConfig(ConfigFile):
     stalk_dim: int = 4  # d, the stalk dimension of the sheaf (d_model = d * channels)
     map_kind: str = "diag"  # restriction maps: diag | orthogonal | general | identity (SheafConv)
     gate: bool = False  # "outputs": h + g * (G(h) - h) with a per-channel g initialised at 0
+    # The D x D linears of the pool (token mean -> patch) and the broadcast (output t -> token t). False ("tokens"
+    # mode only: its gate scales what the broadcast adds): the mean and the output row enter as they are
+    projections: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in GLUING_MODES:
@@ -107,6 +110,9 @@ class GluingConfig(ConfigFile):
         if self.map_kind not in MAP_KINDS or self.stalk_dim < 1:
             raise ValueError(f"GluingConfig: need map_kind in {MAP_KINDS} and stalk_dim >= 1 "
                              f"(got {self.map_kind!r} and {self.stalk_dim})")
+        if not self.projections and self.mode == "outputs":
+            raise ValueError("GluingConfig: projections false needs mode 'tokens', whose gate scales the broadcast "
+                             "(got mode 'outputs')")
 
 
 # The flat keys of SheafStateConfig before it was nested: key -> (group, field). They still load, with a
@@ -242,7 +248,7 @@ class SheafBlock(nn.Module):
         self.experts = PatchExperts(D, num_types if self.by_type else 1, experts.mult * D, experts.num_experts)
         if not self.gluing:
             return
-        self.pool = nn.Linear(D, D, bias=False)
+        self.pool = nn.Linear(D, D, bias=False) if gluing.projections else nn.Identity()
         self.norm_patch = nn.LayerNorm(D)
         self.phi_patch = self.phi_token if config.ssm.shared else config.ssm.module(D)
         self.topology = config.topology.module(D, len(GLUE_EDGES), len(FLAT_TYPES), GLUE_EDGES.index(CONTENT_EDGE),
@@ -251,7 +257,7 @@ class SheafBlock(nn.Module):
         self.glue = SheafConv(D, gluing.stalk_dim, map_kind=gluing.map_kind, num_edge_types=len(GLUE_EDGES),
                               normalize="none")
         self.glue_gate = nn.Parameter(torch.zeros(D)) if gluing.gate else None
-        self.broadcast = nn.Linear(D, D, bias=False)
+        self.broadcast = nn.Linear(D, D, bias=False) if gluing.projections else nn.Identity()
         # ReZero / Flamingo: a gate of one entry per channel, not a zero matrix, which Adam would fill with entries
         # of +-lr at every step (a D x D perturbation of the residual stream from the first steps)
         self.broadcast_gate = nn.Parameter(torch.zeros(D)) if self.token_residual else None

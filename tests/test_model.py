@@ -36,11 +36,12 @@ def _with_targets(data):
 
 
 @pytest.mark.parametrize("text", [PROSE, CODE])
-@pytest.mark.parametrize("map_kind", ["diag", "orthogonal"])
-def test_causal_end_to_end(text, map_kind, full_config):
-    """Logits at positions <= t do not depend on text after t (every patch type on)."""
+@pytest.mark.parametrize("map_kind,projections", [("diag", True), ("orthogonal", True), ("diag", False)])
+def test_causal_end_to_end(text, map_kind, projections, full_config):
+    """Logits at positions <= t do not depend on text after t (every patch type on; the pool and broadcast with
+    and without their linears)."""
     torch.manual_seed(0)
-    model = SheafStateLM(_config(full_config, map_kind=map_kind, num_experts=2))
+    model = SheafStateLM(_config(full_config, map_kind=map_kind, num_experts=2, gluing={"projections": projections}))
     assert_logits_causal(model, text, trials=3)
 
 def test_perturbation_test_can_fail(full_config):
@@ -302,6 +303,8 @@ def test_the_config_has_a_group_per_part():
         SheafStateConfig(topology={"rank": 0})
     with pytest.raises(ValueError, match="GluingConfig: mode must be one of"):
         SheafStateConfig(gluing={"mode": "both"})
+    with pytest.raises(ValueError, match="GluingConfig: projections false needs mode 'tokens'"):
+        SheafStateConfig(gluing={"mode": "outputs", "projections": False})
 
 
 def test_flat_keys_of_earlier_versions_load_with_a_deprecation_warning():

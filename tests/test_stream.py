@@ -53,6 +53,16 @@ def test_stream_equals_full_forward_with_token_residual(full_config, shared):
         torch.testing.assert_close(streamed, _full_logits(model, ids), atol=1e-4, rtol=1e-4)
 
 
+def test_stream_equals_full_forward_without_projections(full_config):
+    """The pool and the broadcast without their linears (``gluing.projections`` false) stream as they forward."""
+    model = _model(full_config, gluing={"projections": False})
+    assert not any(name.startswith(("pool.", "broadcast.")) for b in model.blocks for name, _ in b.named_parameters())
+    ids = torch.tensor(list((PROSE + CODE).encode()))[:200]
+    for chunk in (1, 13):
+        streamed = _streamed(model.stream(), ids, chunk)
+        torch.testing.assert_close(streamed, _full_logits(model, ids), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("chunk", [1, 13])
 def test_stream_equals_full_forward_with_shared_experts_and_gate(full_config, chunk):
     model = _model(full_config, shared_experts=True, glue_gate=True)
