@@ -13,7 +13,8 @@ variants with one part changed, each at every seed of ``--seeds``, on the same t
     identity_maps           restriction maps fixed to the identity (gluing.map_kind identity)
     separate_patch_ssm      the patch chains with an SSM of their own (ssm.shared false)
     experts_per_type        one expert per node type (experts.shared false)
-    gluing_into_outputs     the earlier design: outputs keep their states and R reads them (gluing.mode outputs)
+    gluing_into_outputs     the earlier design: outputs keep their states and R reads them (gluing.mode outputs,
+                            with the pool's and the broadcast's linears that it needs)
     pool_loss               the auxiliary pool-read loss switched the other way (topology.pool_loss_weight 1 or 0)
     projections             the D x D linears of the pool and the broadcast switched the other way
                             (gluing.projections)
@@ -80,7 +81,7 @@ def variants(d_model: int, patch_types: list[str]) -> dict[str, dict]:
                "identity_maps": {"gluing": {"map_kind": "identity"}},
                "separate_patch_ssm": {"ssm": {"shared": not default.ssm.shared}},
                "experts_per_type": {"experts": {"shared": not default.experts.shared}},
-               "gluing_into_outputs": {"gluing": {"mode": "outputs"}},
+               "gluing_into_outputs": {"gluing": {"mode": "outputs", "projections": True}},
                "pool_loss": {"topology": {"pool_loss_weight": 0.0 if default.topology.pool_loss_weight else 1.0}},
                "projections": {"gluing": {"projections": not default.gluing.projections}}}
     for name, change in changes.items():

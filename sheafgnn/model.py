@@ -102,7 +102,7 @@ class GluingConfig(ConfigFile):
     gate: bool = False  # "outputs": h + g * (G(h) - h) with a per-channel g initialised at 0
     # The D x D linears of the pool (token mean -> patch) and the broadcast (output t -> token t). False ("tokens"
     # mode only: its gate scales what the broadcast adds): the mean and the output row enter as they are
-    projections: bool = True
+    projections: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in GLUING_MODES:
@@ -134,7 +134,8 @@ FLAT_KEYS = {
 
 # The defaults of the flat layout that the nested one changed: a config with flat keys was written by an earlier
 # version, and where it is silent these fill it, not today's.
-FLAT_DEFAULTS = {"gluing": {"mode": "outputs"}, "ssm": {"shared": False}, "experts": {"shared": False}}
+FLAT_DEFAULTS = {"gluing": {"mode": "outputs", "projections": True}, "ssm": {"shared": False},
+                 "experts": {"shared": False}}
 
 
 def nest_flat_keys(values: dict) -> tuple[dict, list[str]]:
@@ -150,8 +151,9 @@ def nest_flat_keys(values: dict) -> tuple[dict, list[str]]:
         group, name = FLAT_KEYS[key]
         out[group] = {**out.get(group, {}), name: out.pop(key)}
         moved.append(f"{key} -> {group}.{name}")
-    if mode is not None:
-        out["gluing"] = {**out.get("gluing", {}), "mode": mode}
+    if mode is not None:  # gluing into the outputs had the pool's and the broadcast's linears
+        linears = {"projections": True} if mode == "outputs" else {}
+        out["gluing"] = {**linears, **out.get("gluing", {}), "mode": mode}
     if "tune_cpu_allocator" in out:
         out.pop("tune_cpu_allocator")
         moved.append("tune_cpu_allocator: dropped (call sheafgnn.tune_cpu(): a model no longer changes process "
@@ -207,7 +209,7 @@ class SheafStateConfig(ConfigFile):
             for group, fields in FLAT_DEFAULTS.items():
                 nested[group] = {**fields, **nested.get(group, {})}
             moved.append("unset fields keep the flat layout's defaults (FLAT_DEFAULTS: gluing.mode outputs, "
-                         "ssm.shared false, experts.shared false)")
+                         "gluing.projections true, ssm.shared false, experts.shared false)")
             warnings.warn("SheafStateConfig: these flat keys are deprecated and were moved: " + "; ".join(moved),
                           FutureWarning, stacklevel=3)
         return nested

@@ -200,7 +200,8 @@ def test_block_tail_equals_experts_and_broadcast(monkeypatch, full_config, dtype
     """SheafBlock.step_tail on a step's rows (tokens, patches, outputs): the block_tail kernel equals the PyTorch
     composition, glued + E(glued) and then output t's row through broadcast added to token t's."""
     g = torch.Generator().manual_seed(sum(counts))
-    block = _random_(SheafBlock(small_model_config(full_config, d_model=16)), g).to(dtype)
+    config = small_model_config(full_config, d_model=16, gluing={"mode": "outputs", "projections": True})
+    block = _random_(SheafBlock(config), g).to(dtype)  # step_tail: gluing into the outputs, whose broadcast is a linear
     type_ptr = [0, counts[0]] + [counts[0] + counts[1]] * (block.experts.num_types - 2) + [sum(counts)]
     glued = torch.randn(sum(counts), 16, generator=g, dtype=dtype)
     with torch.no_grad():

@@ -314,10 +314,12 @@ def test_flat_keys_of_earlier_versions_load_with_a_deprecation_warning():
         config = SheafStateConfig.from_dict(flat)
     assert config == SheafStateConfig(d_model=32, topology={"rank": 64, "block_size": 4},
                                       ssm={"headdim": 16, "shared": False}, experts={"shared": False},
-                                      gluing={"map_kind": "general", "mode": "tokens"}, site={"local_window": 8})
+                                      gluing={"map_kind": "general", "mode": "tokens", "projections": True},
+                                      site={"local_window": 8})
     with pytest.warns(FutureWarning, match="flat layout's defaults"):  # where a flat config is silent: its defaults
         legacy = SheafStateConfig.from_dict({"topology_rank": 16})
-    assert (legacy.gluing.mode, legacy.ssm.shared, legacy.experts.shared) == ("outputs", False, False)
+    assert (legacy.gluing.mode, legacy.gluing.projections, legacy.ssm.shared, legacy.experts.shared) \
+        == ("outputs", True, False, False)
     assert SheafStateConfig.from_dict({"topology": {"rank": 16}}).gluing.mode == SheafStateConfig().gluing.mode
     with pytest.warns(FutureWarning, match="gluing.mode: off"):
         assert SheafStateConfig.from_dict({"gluing": False}).gluing.mode == "off"

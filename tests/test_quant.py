@@ -169,7 +169,7 @@ def test_apply_quant_targets(full_config):
     assert isinstance(block.glue.map_lin, QuantLinear) and block.glue.map_lin.mode == "int4"
     ffn = block.experts.experts[0][1]  # the shared experts, the second of two
     assert isinstance(ffn.fc, QuantLinear) and ffn.proj.mode == "int8"
-    assert type(block.experts.routers[0]) is nn.Linear and type(block.pool) is nn.Linear
+    assert type(block.experts.routers[0]) is nn.Linear and type(block.topology.query) is nn.Linear
     # the same initial weights and state_dict keys as the float model (checkpoints interchange)
     fp_state, q_state = fp.state_dict(), model.state_dict()
     assert fp_state.keys() == q_state.keys()
