@@ -34,7 +34,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             pytest.fail(f"{reason}; SHEAFGNN_REQUIRE_KERNELS=1 makes this a failure, not a skip", pytrace=False)
         pytest.skip(reason)
 
-GATES = ("glue_gate", "broadcast_gate")  # the gluing's gates, zero at initialisation
+GATES = ("glue_gate", "broadcast_gate")  # the gluing's gates (glue_gate starts at 0, broadcast_gate at gate_init)
 RESET = SheafStateLM.reset_parameters  # as the library defines it
 
 
@@ -49,9 +49,10 @@ def open_gates(model: SheafStateLM) -> SheafStateLM:
 
 @pytest.fixture(scope="session", autouse=True)
 def models_with_open_gates():
-    """Every ``SheafStateLM`` the tests build has its gluing gates drawn at random. At zero (their initialisation:
-    the model starts as its ssm ablation) they keep the gluing out of the logits, and a test of causality, of the
-    stream against the forward or of a kernel against its reference would pass whatever the gluing computed.
+    """Every ``SheafStateLM`` the tests build has its gluing gates drawn at random. At zero (glue_gate's
+    initialisation, and broadcast_gate's with ``gluing.gate_init`` 0: the model starts as its ssm ablation) they keep
+    the gluing out of the logits, and a test of causality, of the stream against the forward or of a kernel against
+    its reference would pass whatever the gluing computed; drawn at random, no gate is at a value that hides a term.
     A test of the initial model itself is marked ``closed_gates``; a model built in a subprocess calls
     :func:`open_gates`."""
     def reset_with_open_gates(model: SheafStateLM) -> None:

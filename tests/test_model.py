@@ -216,12 +216,12 @@ def test_ssm_ablation_has_no_gluing(full_config):
 @pytest.mark.closed_gates
 @pytest.mark.parametrize("shared", [False, True])
 def test_token_residual_starts_as_its_ssm(full_config, shared):
-    """With token_residual the sheaf model at initialisation computes what its ssm ablation computes: given the
-    ssm's weights for the shared parts, the logits are equal (the broadcast's gate starts at zero); a causal model
-    too."""
+    """With token_residual and the broadcast's gate at zero (gluing.gate_init 0) the sheaf model at initialisation
+    computes what its ssm ablation computes: given the ssm's weights for the shared parts, the logits are equal;
+    a causal model too."""
     torch.manual_seed(0)
     options = dict(token_residual=True, shared_experts=shared, shared_ssm=shared)
-    sheaf = SheafStateLM(_config(full_config, **options)).double().eval()
+    sheaf = SheafStateLM(_config(full_config, **options, gluing={"gate_init": 0.0})).double().eval()
     ssm = SheafStateLM(_config(full_config, **options, gluing=False)).double().eval()
     state = sheaf.state_dict()
     for name, value in ssm.state_dict().items():
