@@ -156,9 +156,8 @@ def nest_flat_keys(values: dict) -> tuple[dict, list[str]]:
         group, name = FLAT_KEYS[key]
         out[group] = {**out.get(group, {}), name: out.pop(key)}
         moved.append(f"{key} -> {group}.{name}")
-    if mode is not None:  # gluing into the outputs had the pool's and the broadcast's linears
-        linears = {"projections": True} if mode == "outputs" else {}
-        out["gluing"] = {**linears, **out.get("gluing", {}), "mode": mode}
+    if mode is not None:
+        out["gluing"] = {**out.get("gluing", {}), "mode": mode}
     if "tune_cpu_allocator" in out:
         out.pop("tune_cpu_allocator")
         moved.append("tune_cpu_allocator: dropped (call sheafgnn.tune_cpu(): a model no longer changes process "

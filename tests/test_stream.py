@@ -87,10 +87,12 @@ def test_stream_equals_full_forward_every_map_kind(full_config, map_kind, num_ex
 
 # Per map kind, a model with more of the options on: in float64 the stream and the full forward differ by the
 # order of their sums only (the chunked scan against the steps), ~1e-14 of the logits.
-# diag and orthogonal glue into the outputs (the earlier default), general and identity into the tokens (today's).
-FLOAT64_MODELS = {"diag": dict(num_experts=2, block_scorer=True, block_summary="bounds", token_residual=False,
-                               shared_ssm=False, shared_experts=False),
-                  "orthogonal": dict(sink_threshold=True, shared_experts=True, glue_gate=True, token_residual=False),
+# diag and orthogonal glue into the outputs (the earlier default, with its pool and broadcast linears), general and
+# identity into the tokens (today's).
+OUTPUTS = {"token_residual": False, "gluing": {"projections": True}}
+FLOAT64_MODELS = {"diag": dict(num_experts=2, block_scorer=True, block_summary="bounds", shared_ssm=False,
+                               shared_experts=False, **OUTPUTS),
+                  "orthogonal": dict(sink_threshold=True, shared_experts=True, glue_gate=True, **OUTPUTS),
                   "general": dict(num_experts=2, block_summary="mean", shared_ssm=False),
                   "identity": dict(token_residual=True, shared_ssm=True, shared_experts=True)}
 
