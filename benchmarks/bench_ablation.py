@@ -18,7 +18,8 @@ variants with one part changed, each at every seed of ``--seeds``, on the same t
     pool_loss               the auxiliary pool-read loss switched the other way (topology.pool_loss_weight 1 or 0)
     projections             the D x D linears of the pool and the broadcast switched the other way
                             (gluing.projections)
-    gate_init               the broadcast gate starting at 1 instead of 0 (or the other way: gluing.gate_init)
+    rezero_gate             the broadcast gate starting at 0 and learning at the weights' rate (gluing.gate_init 0,
+                            gate_scale 1: ReZero); if the default is that, at 0.1 and 10 times the rate
 
 and reports per variant the mean validation bits per byte over the seeds, its change against the full model's
 mean (positive: the part pays), the seed spread of the full model (the noise a change is measured against),
@@ -85,7 +86,8 @@ def variants(d_model: int, patch_types: list[str]) -> dict[str, dict]:
                "gluing_into_outputs": {"gluing": {"mode": "outputs", "projections": True}},
                "pool_loss": {"topology": {"pool_loss_weight": 0.0 if default.topology.pool_loss_weight else 1.0}},
                "projections": {"gluing": {"projections": not default.gluing.projections}},
-               "gate_init": {"gluing": {"gate_init": 0.0 if default.gluing.gate_init else 1.0}}}
+               "rezero_gate": {"gluing": {"gate_init": 0.0, "gate_scale": 1.0} if default.gluing.gate_init
+                               else {"gate_init": 0.1, "gate_scale": 10.0}}}
     for name, change in changes.items():
         out[name] = {"model": "sheaf", "model_config": {**model, **change}, "site": {}}
     return out

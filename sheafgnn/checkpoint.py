@@ -33,7 +33,11 @@ from torch import nn
 WEIGHTS = "model.safetensors"
 STATE = "state.pt"
 LATEST = "latest"
-FORMAT = 1  # bumped when the layout of state.pt changes
+# Bumped when the layout of state.pt or what its weights compute changes: 2 since the gluing into the tokens adds
+# what each output gathered, not the output state (SheafBlock.token_tail). A model that computes otherwise with
+# an earlier format's weights names the oldest format it reads as ``oldest_checkpoint_format``.
+FORMAT = 2
+FORMATS = (1, 2)  # the formats read_state reads
 
 
 class CheckpointError(RuntimeError):
@@ -134,7 +138,7 @@ def read_state(path: str | os.PathLike) -> dict:
         raise CheckpointError(f"checkpoint {state_file} is corrupt or unreadable ({type(err).__name__}: "
                               f"{err}); delete {path} and repoint {path.parent / LATEST} "
                               "to an earlier step, or start a new out_dir") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
+    if not isinstance(state, dict) or state.get("format") not in FORMATS:
         raise CheckpointError(f"checkpoint {state_file} has an unknown layout "
                               f"(format {state.get('format') if isinstance(state, dict) else None}, "
                               f"expected {FORMAT})")
@@ -151,7 +155,8 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, device: torch.dev
 
     Raises:
         CheckpointError: the files are missing, truncated, fail their hash,
-            or the weights do not fit ``model``.
+            are older than ``model.oldest_checkpoint_format``, or the weights
+            do not fit ``model``.
     """
     from safetensors.torch import load_model
 
@@ -167,6 +172,11 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, device: torch.dev
                               f"{path.parent / LATEST} to an earlier step, or start a new out_dir")
     if check is not None:
         check(state)
+    oldest = getattr(model, "oldest_checkpoint_format", FORMATS[0])
+    if state["format"] < oldest:
+        raise CheckpointError(f"checkpoint {path} has format {state['format']}: it was written by a version whose "
+                              f"{type(model).__name__} computed otherwise with the same weights (this one reads "
+                              f"format {oldest} and later); retrain it with this version")
     try:
         load_model(model, str(weights), strict=True, device=str(device))
     except Exception as err:

@@ -92,16 +92,20 @@ GLUING_MODES = ("tokens", "outputs", "off")
 class GluingConfig(ConfigFile):
     """G of :class:`SheafStateLM`: where the gluing's messages go and the sheaf that transports them."""
 
-    # "tokens": the token states are the residual stream; each block's outputs start from their tokens, glue, and
-    # reach the tokens through the broadcast times a per-channel gate (gate_init); R reads the tokens. "outputs":
+    # "tokens": the token states are the residual stream; each block's outputs start from their tokens and glue,
+    # and what each gathered reaches its token through the broadcast times a per-channel gate; R reads the tokens.
+    # "outputs":
     # the outputs keep their own states across blocks, R reads them, and each block adds their broadcast to the
     # tokens. "off": no patches, no gluing (the ssm ablation).
     mode: str = "tokens"
-    # "tokens": the broadcast gate's initial value. 0 starts the model as its ssm ablation (ReZero) and is the
-    # best measured on text; every gradient into the gluing then waits for the gate to grow, and recall learns
-    # slowly: MQAR (128, 8) at vocabulary 1,024 stayed under 0.1 for 1,500 steps from 0 and reached 0.83 from 1,
-    # whose text was 0.065 bits per byte worse (docs/results.md#the-broadcast-gate-text-against-recall)
-    gate_init: float = 0.0
+    # "tokens": the broadcast gate g: what each output gathered reaches its token times g, per channel. g is
+    # gate_scale times a parameter, and Adam moves a parameter by about lr a step, so g learns gate_scale times
+    # as fast as the weights. At 0 (ReZero) the model starts as its ssm ablation; recall then barely learns:
+    # every gradient into the gluing is g times what it would be, and g grows at lr a step. From 0.1 at
+    # gate_scale 10, MQAR (128, 8) at vocabulary 1,024 reached 0.81 at 1,000 steps (0.03 from 0, 0.05 from 0.1
+    # at scale 1), for 0.015 bits per byte on text (docs/results.md#the-broadcast-gate-text-against-recall)
+    gate_init: float = 0.1
+    gate_scale: float = 10.0
     stalk_dim: int = 4  # d, the stalk dimension of the sheaf (d_model = d * channels)
     map_kind: str = "diag"  # restriction maps: diag | orthogonal | general | identity (SheafConv)
     gate: bool = False  # "outputs": h + g * (G(h) - h) with a per-channel g initialised at 0
@@ -115,6 +119,8 @@ class GluingConfig(ConfigFile):
         if self.map_kind not in MAP_KINDS or self.stalk_dim < 1:
             raise ValueError(f"GluingConfig: need map_kind in {MAP_KINDS} and stalk_dim >= 1 "
                              f"(got {self.map_kind!r} and {self.stalk_dim})")
+        if not self.gate_scale > 0:
+            raise ValueError(f"GluingConfig: gate_scale must be > 0 (got {self.gate_scale})")
         if not self.projections and self.mode == "outputs":
             raise ValueError("GluingConfig: projections false needs mode 'tokens', whose gate scales the broadcast "
                              "(got mode 'outputs')")
@@ -265,8 +271,10 @@ class SheafBlock(nn.Module):
         self.glue_gate = nn.Parameter(torch.zeros(D)) if gluing.gate else None
         self.broadcast = nn.Linear(D, D, bias=False) if gluing.projections else nn.Identity()
         # A gate of one entry per channel (ReZero / Flamingo at gate_init 0), not a matrix: a zero D x D matrix
-        # would be filled by Adam with entries of +-lr at every step
-        self.broadcast_gate = nn.Parameter(torch.full((D,), gluing.gate_init)) if self.token_residual else None
+        # would be filled by Adam with entries of +-lr at every step. The parameter is g / gate_scale.
+        self.gate_scale = gluing.gate_scale
+        self.broadcast_gate = nn.Parameter(torch.full((D,), gluing.gate_init / gluing.gate_scale)) \
+            if self.token_residual else None
 
     def forward(self, h: Tensor, site: FlatSite, extras: Extras = Extras()) -> tuple[Tensor, dict]:
         if not self.gluing:
@@ -338,12 +346,14 @@ class SheafBlock(nn.Module):
 
     def token_tail(self, glued: Tensor, type_ptr: list[int], num_tokens: int) -> tuple[Tensor, Tensor]:
         """``token_residual``'s E and broadcast on glued rows (N, D) (tokens first, outputs last): token t gets
-        output t's row through ``broadcast`` and its gate, then tokens and patches their experts; the outputs are
-        kept as they are (the next block starts them from their tokens again). Returns the rows and the balance
-        loss."""
+        what output t gathered, ``h_out - h_tok`` (the output started from its token), through ``broadcast``
+        and its gate, then tokens and patches their experts; the outputs are kept as they are (the next block
+        starts them from their tokens again). Returns the rows and the balance loss."""
         body, h_out = glued.split([glued.size(0) - num_tokens, num_tokens])  # (N - T, D), (T, D)
         h_tok, h_patch = body.split([num_tokens, body.size(0) - num_tokens])
-        body = torch.cat([torch.addcmul(h_tok, self.broadcast_gate, self.broadcast(h_out)), h_patch])
+        # The difference, not h_out: a gate on h_out would also scale the token's own state (h_out starts as it)
+        gate = self.gate_scale * self.broadcast_gate  # (D,)
+        body = torch.cat([torch.addcmul(h_tok, gate, self.broadcast(h_out - h_tok)), h_patch])
         update, balance = self.experts(body, self.expert_ptr(type_ptr[:-1]), self.norm_expert)
         return torch.cat([body + update, h_out]), balance
 
@@ -416,6 +426,12 @@ class SheafStateLM(nn.Module):
         self.norm_out = nn.LayerNorm(D)
         self.reset_parameters()
         apply_quant(self, config.quant)  # fake-quantised maps / experts (sheafgnn.nn.quant); no-op if empty
+
+    @property
+    def oldest_checkpoint_format(self) -> int:
+        """The oldest checkpoint format (:mod:`sheafgnn.checkpoint`) whose weights compute here what they computed
+        when written: before format 2 the gluing into the tokens added ``g * h_out``, not ``g * (h_out - h_tok)``."""
+        return 2 if self.config.gluing.mode == "tokens" else 1
 
     def reset_parameters(self) -> None:
         attribute_embeddings = [self.get_submodule(f"{name}_embedding") for name in sorted(NODE_ATTRIBUTES.values())]

@@ -39,11 +39,12 @@ RESET = SheafStateLM.reset_parameters  # as the library defines it
 
 
 def open_gates(model: SheafStateLM) -> SheafStateLM:
-    """``model`` with its gluing gates drawn at random (in place)."""
+    """``model`` with its gluing gates drawn at random, N(0, 0.2^2) (in place; broadcast_gate's parameter is the
+    gate over ``gluing.gate_scale``)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(GATES):
-                p.normal_(0.0, 0.2)
+                p.normal_(0.0, 0.2 / (model.config.gluing.gate_scale if name.endswith("broadcast_gate") else 1.0))
     return model
 
 

@@ -238,6 +238,27 @@ def test_token_residual_starts_as_its_ssm(full_config, shared):
     assert_logits_causal(sheaf, CODE, trials=2, atol=1e-8)
 
 
+@pytest.mark.closed_gates
+def test_broadcast_gate_starts_at_gate_init_and_moves_gate_scale_times_faster(full_config):
+    """The gate is gate_scale times its parameter: it starts at gate_init, and one Adam step (which moves the
+    parameter by about lr) moves it by about gate_scale * lr."""
+    lr, gluing = 1e-3, {"gate_init": 0.1, "gate_scale": 10.0}
+    model = SheafStateLM(_config(full_config, token_residual=True, gluing=gluing))
+    block = model.blocks[0]
+    torch.testing.assert_close(block.gate_scale * block.broadcast_gate, torch.full_like(block.broadcast_gate, 0.1))
+    before = block.gate_scale * block.broadcast_gate.detach().clone()
+    optimizer = torch.optim.Adam([block.broadcast_gate], lr=lr)
+    data = _with_targets(build_site(PROSE, model.config.site_config))
+    loss = torch.nn.functional.cross_entropy(model(data), data["token"].y)
+    loss.backward()
+    optimizer.step()
+    moved = (block.gate_scale * block.broadcast_gate.detach() - before).abs()
+    torch.testing.assert_close(moved[moved > 0], torch.full_like(moved[moved > 0], 10 * lr), rtol=1e-3, atol=0)
+    assert (moved > 0).float().mean() > 0.9  # nearly every channel has a gradient
+    with pytest.raises(ValueError, match="gate_scale must be > 0"):
+        SheafStateConfig(gluing={"gate_scale": 0.0})
+
+
 def test_generate(full_config):
     torch.manual_seed(0)
     model = SheafStateLM(_config(full_config))
@@ -323,6 +344,24 @@ def test_flat_keys_of_earlier_versions_load_with_a_deprecation_warning():
     assert SheafStateConfig.from_dict({"topology": {"rank": 16}}).gluing.mode == SheafStateConfig().gluing.mode
     with pytest.warns(FutureWarning, match="gluing.mode: off"):
         assert SheafStateConfig.from_dict({"gluing": False}).gluing.mode == "off"
+
+
+@pytest.mark.parametrize("mode", ["tokens", "outputs"])
+def test_a_checkpoint_whose_weights_compute_otherwise_is_refused(full_config, tmp_path, mode):
+    """Before format 2 the gluing into the tokens added ``g * h_out``: such a checkpoint is refused by a model that
+    glues into the tokens, and loads into one that glues into the outputs, which computes as it did."""
+    from sheafgnn.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+
+    gluing = {"mode": mode, "projections": mode == "outputs"}
+    step = save_checkpoint(tmp_path, 1, SheafStateLM(small_model_config(full_config, gluing=gluing)), {})
+    state = torch.load(step / "state.pt", weights_only=True)
+    torch.save({**state, "format": 1}, step / "state.pt")
+    model = SheafStateLM(small_model_config(full_config, gluing=gluing))
+    if mode == "tokens":
+        with pytest.raises(CheckpointError, match="format 1: it was written by a version whose SheafStateLM computed"):
+            load_checkpoint(step, model)
+    else:
+        assert load_checkpoint(step, model)["format"] == 1
 
 
 def test_a_checkpoint_saved_with_flat_keys_loads():
