@@ -23,7 +23,7 @@ stopped. ``--jobs`` runs go at once (2 on a 2-core machine: the times of concurr
 Usage::
 
     python benchmarks/bench_recall.py [--stages sweep sizes ...] [--models sheaf dense_conv ...] [--jobs 2]
-        [--out benchmarks/results/recall] [--quick]
+        [--out benchmarks/results/recall] [--quick] [--report]
     -> <out>/summary.json (rows: task, seq_len, pairs, vocab, model, map_kind, seed, lr, hash_retrieval,
        accuracy, steps, seconds), <out>/recall.md, <out>/recall.png (accuracy against steps, every run drawn)
 """
@@ -188,26 +188,28 @@ def curves(out: Path) -> dict:
             for model, m in r["models"].items():
                 map_kind = data["config"]["sheaf"].get("gluing", {}).get("map_kind", "diag")
                 kind = model if map_kind == "diag" or model != "sheaf" else f"sheaf {map_kind}"
-                runs.setdefault((task, r["train_len"]), []).append((kind, data["config"]["seed"], m["curve"]))
+                runs.setdefault((task, r["train_len"]), []).append((kind, data["config"]["lr"], data["config"]["seed"],
+                                                                    m["curve"]))
     if not runs:
         return {}
     panels = sorted(runs)
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
-    colors = {}
+    colors = {}  # one per model and rate (the sweep draws each rate; later stages train at one)
     for ax, key in zip(axes[0], panels):
-        for kind, seed, curve in runs[key]:
-            color = colors.setdefault(kind, f"C{len(colors)}")
+        for kind, lr, seed, curve in runs[key]:
+            color = colors.setdefault((kind, lr), f"C{len(colors) % 10}")
             ax.plot([0] + [p["step"] for p in curve], [0.0] + [p["accuracy"] for p in curve], color=color,
-                    linestyle=("-", "--", ":")[seed % 3], label=f"{kind} seed {seed}", linewidth=1.2)
+                    linestyle=("-", "--", ":")[seed % 3], label=f"{kind} lr {lr:g} seed {seed}", linewidth=1.2)
         ax.set_title(f"{key[0]} @{key[1]}")
         ax.set_xlabel("steps (32 rows each)")
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("accuracy (held-out rows)")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    unique = dict(zip(labels, handles))
-    fig.legend(unique.values(), unique.keys(), fontsize=7, loc="lower center", ncol=min(6, len(unique)))
-    fig.subplots_adjust(bottom=0.3)
+    unique = {}
+    for ax in axes[0]:
+        unique.update(zip(*reversed(ax.get_legend_handles_labels())))
+    # beside the last panel: save_figure's tight layout makes room for an axes' legend, not for a figure's
+    axes[0][-1].legend(unique.values(), unique.keys(), fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     return {"recall.png": fig}
 
 
@@ -215,7 +217,8 @@ def markdown(rows: list[dict], rates: dict) -> str:
     """A table per task and training length: accuracy (steps) per model and seed."""
     lines = ["# Recall (benchmarks/bench_recall.py)", "",
              f"Budget per run: {BUDGET['steps']} steps of {BUDGET['batch_size']} fresh rows, early stop at "
-             f"{BUDGET['stop_accuracy']}, vocabulary {VOCAB}, hash retrieval off. Rates: {json.dumps(rates)}.", ""]
+             f"{BUDGET['stop_accuracy']}, vocabulary {VOCAB}, hash retrieval off. Best rates of the sweep: "
+             f"{json.dumps(rates) if rates else 'none yet (the sweep has not finished)'}.", ""]
     by_task = {}
     for row in rows:
         by_task.setdefault((row["task"], row["seq_len"], row["pairs"]), []).append(row)
@@ -236,18 +239,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", default="benchmarks/results/recall")
     parser.add_argument("--quick", action="store_true", help="toy sizes that run in seconds")
+    parser.add_argument("--report", action="store_true",
+                        help="run nothing: write the summary, table and figure of the runs already in --out")
     args = parser.parse_args(argv)
     out, models = Path(args.out), tuple(args.models)
     budget, sizes = (QUICK, QUICK_SIZES) if args.quick else (BUDGET, SIZES)
     out.mkdir(parents=True, exist_ok=True)
-    # Every later stage trains at the sweep's rates (its runs are reused once done); identity needs sheaf's.
-    swept = models if "sheaf" in models or "identity" not in args.stages else ("sheaf", *models)
-    print("== sweep ==", flush=True)
-    best = sweep(out, swept, args.jobs, budget, sizes)
-    for stage in [s for s in args.stages if s != "sweep"]:
-        print(f"== {stage} ==", flush=True)
-        runs_at_once(out, args.jobs, stage_specs(stage, models, best, sizes), budget)
+    if args.report:  # a sweep not run to its end has no best rates yet
+        best = json.loads((out / "rates.json").read_text())["best"] if (out / "rates.json").exists() else {}
+    else:
+        # Every later stage trains at the sweep's rates (its runs are reused once done); identity needs sheaf's.
+        swept = models if "sheaf" in models or "identity" not in args.stages else ("sheaf", *models)
+        print("== sweep ==", flush=True)
+        best = sweep(out, swept, args.jobs, budget, sizes)
+        for stage in [s for s in args.stages if s != "sweep"]:
+            print(f"== {stage} ==", flush=True)
+            runs_at_once(out, args.jobs, stage_specs(stage, models, best, sizes), budget)
     rows = summary_rows(out)
+    if not rows:
+        raise SystemExit(f"bench_recall: no finished run in {out / 'runs'}")
     write_json(out / "summary.json", rows)
     text = markdown(rows, best)
     for name, fig in curves(out).items():
