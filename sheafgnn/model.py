@@ -92,18 +92,12 @@ GLUING_MODES = ("tokens", "outputs", "off")
 class GluingConfig(ConfigFile):
     """G of :class:`SheafStateLM`: where the gluing's messages go and the sheaf that transports them."""
 
-    # "tokens": the token states are the residual stream; each block's outputs start from their tokens and glue,
-    # and what each gathered reaches its token through the broadcast times a per-channel gate; R reads the tokens.
-    # "outputs":
-    # the outputs keep their own states across blocks, R reads them, and each block adds their broadcast to the
-    # tokens. "off": no patches, no gluing (the ssm ablation).
+    # "tokens": the tokens are the residual stream; each block's outputs start from their tokens, glue, and what
+    # they gathered reaches the tokens through the broadcast times a per-channel gate g; R reads the tokens.
+    # "outputs": the outputs keep their states across blocks, R reads them. "off": the ssm ablation (no patches).
     mode: str = "tokens"
-    # "tokens": the broadcast gate g: what each output gathered reaches its token times g, per channel. g is
-    # gate_scale times a parameter, and Adam moves a parameter by about lr a step, so g learns gate_scale times
-    # as fast as the weights. At 0 (ReZero) the model starts as its ssm ablation; recall then barely learns:
-    # every gradient into the gluing is g times what it would be, and g grows at lr a step. From 0.1 at
-    # gate_scale 10, MQAR (128, 8) at vocabulary 1,024 reached 0.81 at 1,000 steps (0.03 from 0, 0.05 from 0.1
-    # at scale 1), for 0.015 bits per byte on text (docs/results.md#the-broadcast-gate-text-against-recall)
+    # "tokens": g starts at gate_init and is gate_scale times a parameter (Adam moves it by about lr a step); from
+    # 0 at the weights' rate (ReZero) recall barely learns (docs/results.md#the-gate-that-learns-faster-the-default)
     gate_init: float = 0.1
     gate_scale: float = 10.0
     stalk_dim: int = 4  # d, the stalk dimension of the sheaf (d_model = d * channels)
@@ -351,7 +345,6 @@ class SheafBlock(nn.Module):
         starts them from their tokens again). Returns the rows and the balance loss."""
         body, h_out = glued.split([glued.size(0) - num_tokens, num_tokens])  # (N - T, D), (T, D)
         h_tok, h_patch = body.split([num_tokens, body.size(0) - num_tokens])
-        # The difference, not h_out: a gate on h_out would also scale the token's own state (h_out starts as it)
         gate = self.gate_scale * self.broadcast_gate  # (D,)
         body = torch.cat([torch.addcmul(h_tok, gate, self.broadcast(h_out - h_tok)), h_patch])
         update, balance = self.experts(body, self.expert_ptr(type_ptr[:-1]), self.norm_expert)
@@ -429,8 +422,7 @@ class SheafStateLM(nn.Module):
 
     @property
     def oldest_checkpoint_format(self) -> int:
-        """The oldest checkpoint format (:mod:`sheafgnn.checkpoint`) whose weights compute here what they computed
-        when written: before format 2 the gluing into the tokens added ``g * h_out``, not ``g * (h_out - h_tok)``."""
+        """The oldest checkpoint format whose weights compute here what they did (2: the broadcast's input changed)."""
         return 2 if self.config.gluing.mode == "tokens" else 1
 
     def reset_parameters(self) -> None:

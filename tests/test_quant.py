@@ -34,11 +34,13 @@ MAPS_INT4 = {"maps": "int4", "experts": "int8"}
 _config = small_model_config
 
 
-def _perturb(model: nn.Module) -> None:
-    """Move every parameter off its init, as training would (zero biases, unit norms ...)."""
+def _perturb(model: SheafStateLM) -> None:
+    """Move every parameter off its init, as training would (zero biases, unit norms ...), by 0.05 N(0, 1); the
+    broadcast gate by that in its own units (its parameter is the gate over gluing.gate_scale)."""
     with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+        for name, p in model.named_parameters():
+            units = model.config.gluing.gate_scale if name.endswith("broadcast_gate") else 1.0
+            p.add_(0.05 / units * torch.randn_like(p))
 
 
 # --------------------------------------------------------------------------- quantisers
