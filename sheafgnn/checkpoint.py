@@ -36,8 +36,8 @@ LATEST = "latest"
 # Bumped when the layout of state.pt or what its weights compute changes: 2 since the gluing into the tokens adds
 # what each output gathered, not the output state (SheafBlock.token_tail). A model that computes otherwise with
 # an earlier format's weights names the oldest format it reads as ``oldest_checkpoint_format``.
-FORMAT = 2
 FORMATS = (1, 2)  # the formats read_state reads
+FORMAT = FORMATS[-1]  # the one save_checkpoint writes
 
 
 class CheckpointError(RuntimeError):
@@ -141,7 +141,7 @@ def read_state(path: str | os.PathLike) -> dict:
     if not isinstance(state, dict) or state.get("format") not in FORMATS:
         raise CheckpointError(f"checkpoint {state_file} has an unknown layout "
                               f"(format {state.get('format') if isinstance(state, dict) else None}, "
-                              f"expected {FORMAT})")
+                              f"expected one of {FORMATS})")
     return state
 
 
