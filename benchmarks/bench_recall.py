@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -134,13 +135,15 @@ def sweep(out: Path, models: tuple[str, ...], jobs: int, budget: dict, sizes: di
             edge = rates[m].index(top) in (0, len(rates[m]) - 1) and len(set(scores.values())) > 1
             if not edge or len(rates[m]) >= len(RATES[m]) + WIDEN:
                 best[m] = top
-            else:  # widen on the side of the best by the sweep's own ratio (rounded: 1e-3 / 3 -> 3e-4)
-                ratio = rates[m][1] / rates[m][0]
-                new = float(f"{(rates[m][0] / ratio if top == rates[m][0] else rates[m][-1] * ratio):.1g}")
-                rates[m].insert(0, new) if top == rates[m][0] else rates[m].append(new)
+            else:  # widen on the side of the best by one step of the half-decade grid (1e-2 -> 3e-2 -> 1e-1)
+                low = top == rates[m][0]
+                new = float(f"{10 ** ((round(2 * math.log10(top)) + (-1 if low else 1)) / 2):.1g}")
+                rates[m].insert(0, new) if low else rates[m].append(new)
         if len(best) == len(models):
             break
-    write_json(out / "rates.json", {"best": best, "swept": rates})
+    # a sweep of some models keeps the rates of the others swept before
+    done = json.loads((out / "rates.json").read_text()) if (out / "rates.json").exists() else {"best": {}, "swept": {}}
+    write_json(out / "rates.json", {"best": {**done["best"], **best}, "swept": {**done["swept"], **rates}})
     return best
 
 

@@ -1,0 +1,54 @@
+"""bench_recall's sweep: which rates it runs, which it keeps, and what rates.json holds (no training: each run's
+report is made up from its model and rate)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_recall.py"
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    spec = importlib.util.spec_from_file_location("bench_recall", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    accuracy = {("sheaf", 3e-4): 0.2, ("sheaf", 1e-3): 0.6, ("sheaf", 3e-3): 0.9, ("sheaf", 1e-2): 0.1,
+                ("dense_conv", 1e-3): 0.7, ("dense_conv", 3e-3): 0.8, ("dense_conv", 1e-2): 0.95,
+                ("dense_conv", 3e-2): 0.97, ("dense_conv", 1e-1): 0.99}
+    ran = []
+
+    def fake_run(out, name, flags, budget):
+        model, lr = flags[flags.index("--models") + 1], float(flags[flags.index("--lr") + 1])
+        ran.append((model, lr))
+        return {"tasks": {"mqar": {"train_len": 128, "models": {model: {"accuracy": {"128": accuracy[model, lr]},
+                                                                       "steps": 3000}}}}}
+
+    monkeypatch.setattr(module, "run", fake_run)
+    return module, ran
+
+
+def test_sweep_widens_at_an_edge_and_stops_inside(bench, tmp_path):
+    module, ran = bench
+    best = module.sweep(tmp_path, ("sheaf",), 1, module.QUICK, module.SIZES)
+    assert best == {"sheaf": 3e-3}  # at the edge of (3e-4, 1e-3, 3e-3): widened to 1e-2, then inside
+    assert sorted(set(lr for _, lr in ran)) == [3e-4, 1e-3, 3e-3, 1e-2]
+
+
+def test_sweep_widens_at_most_widen_times(bench, tmp_path):
+    module, ran = bench
+    best = module.sweep(tmp_path, ("dense_conv",), 1, module.QUICK, module.SIZES)
+    swept = json.loads((tmp_path / "rates.json").read_text())["swept"]["dense_conv"]
+    assert swept == [1e-3, 3e-3, 1e-2, 3e-2, 1e-1]  # the half-decade grid, WIDEN rates past its end
+    assert best == {"dense_conv": 1e-1}  # still at the edge, but the sweep may widen no further
+
+
+def test_a_later_sweep_keeps_the_rates_of_models_swept_before(bench, tmp_path):
+    module, _ = bench
+    module.sweep(tmp_path, ("dense_conv",), 1, module.QUICK, module.SIZES)
+    module.sweep(tmp_path, ("sheaf",), 1, module.QUICK, module.SIZES)
+    rates = json.loads((tmp_path / "rates.json").read_text())
+    assert rates["best"] == {"dense_conv": 1e-1, "sheaf": 3e-3}
+    assert set(rates["swept"]) == {"dense_conv", "sheaf"}
