@@ -16,6 +16,8 @@ from sheafgnn.experiments.task_runner import (
     TasksConfig,
     TaskSpec,
     TaskTokenizer,
+    answer_coverage,
+    bind_positions,
     earlier_occurrences,
     evaluate,
     main_tasks,
@@ -29,6 +31,7 @@ from sheafgnn.experiments.task_runner import (
 from sheafgnn.experiments.tasks import IGNORE_INDEX, induction_heads, mqar
 from sheafgnn.lm import build_model
 from sheafgnn.site import SiteConfig, build_site, validate_site
+from sheafgnn.site.schema import CONTENT_EDGE
 
 RECALLS = ("token", "recalls", "retrieval")
 
@@ -88,7 +91,8 @@ def test_evaluate_scores_only_scored_positions():
     x, y = spec.sample(6, 64, torch.Generator().manual_seed(config.seed + 1_000_003 * 64 + 7))  # evaluate's rows
     ambiguous = int((earlier_occurrences(x)[y != IGNORE_INDEX] >= 2).sum())
     assert result == {"accuracy": 1.0, "scored": 6 * 4, "rows": 6, "accuracy_ambiguous": 1.0 if ambiguous else None,
-                      "scored_ambiguous": ambiguous, "accuracy_unambiguous": 1.0, "kept_per_output": None}
+                      "scored_ambiguous": ambiguous, "accuracy_unambiguous": 1.0, "kept_per_output": None,
+                      "answer_coverage": None}
     wrong = Oracle(64)
     wrong.forward = lambda batch: nn.functional.one_hot(torch.zeros_like(batch["token"].y), 64).float()
     assert evaluate(wrong, spec, 64, 6, config, site)["accuracy"] == 0.0  # values are never id 0
@@ -162,6 +166,9 @@ def test_curve_and_summary_rows(tmp_path):
     kept = report["tasks"]["mqar"]["models"]["sheaf"]["kept_per_output"]  # per block, at most topology_k
     assert len(kept) == config.n_layers and all(0 < k <= 8 for k in kept) and "kept_per_output" not in \
         report["tasks"]["mqar"]["models"]["dense"]
+    coverage = report["tasks"]["mqar"]["models"]["sheaf"]["answer_coverage"]  # per block
+    assert len(coverage) == config.n_layers and all(c["answers"] > 0 and 0 <= c["kept"] <= c["in_pool"] <= 1
+                                                    for c in coverage)
     assert (tmp_path / "a" / "curves.png").stat().st_size > 0
     run_tasks(TasksConfig.quick(out_dir=str(tmp_path / "b"), steps=1, num_threads=1, tasks=("mqar",),
                                 models=("sheaf",), hash_retrieval=True, summary=str(summary)))
@@ -223,3 +230,29 @@ def test_earlier_occurrences_counts_equal_ids_before_each_position():
     x, y = mqar(64, 128, 8, 256, generator=torch.Generator().manual_seed(1))
     counts = earlier_occurrences(x)[y != IGNORE_INDEX]
     assert counts.min() >= 1 and 0 < (counts >= 2).float().mean() < 0.5
+
+
+def test_bind_positions_find_the_latest_answer_after_the_query_key():
+    """Zoology's docstring row: key 4 binds 7 at position 3, key 2 binds 8 at 1; a later decoy bind of 2 wins
+    for a query after it, and an unscored position or an answer never bound gets -1."""
+    x = torch.tensor([[2, 8, 4, 7, 0, 0, 4, 0, 0, 0, 0, 0, 2, 2, 8, 2]])
+    y = torch.full_like(x, IGNORE_INDEX)
+    y[0, 6], y[0, 12], y[0, 15], y[0, 9] = 7, 8, 8, 5
+    expected = torch.full_like(x, -1)
+    expected[0, 6], expected[0, 12], expected[0, 15] = 3, 1, 14
+    assert torch.equal(bind_positions(x, y), expected)
+
+
+def test_answer_coverage_splits_the_answers_by_the_content_pool():
+    """Two rows of 4, one answer each (bind at 1, query at 3): row 0's answer is in its pool and kept with weight
+    0.6, row 1's is neither; the accuracy splits by the pool."""
+    x = torch.tensor([[5, 6, 0, 5], [7, 8, 0, 7]])
+    y = torch.full_like(x, IGNORE_INDEX)
+    y[:, 3] = torch.tensor([6, 8])
+    hit = torch.zeros(8, dtype=torch.bool)
+    hit[3] = True  # row 0's answer right, row 1's wrong
+    content = {"candidate_index": torch.tensor([[1, 0, 4], [3, 3, 7]]), "edge_index": torch.tensor([[0, 1], [3, 3]]),
+               "weight": torch.tensor([0.4, 0.6])}
+    (block,) = answer_coverage([{CONTENT_EDGE: content}], x, y, hit)
+    assert block == {"answers": 2, "in_pool": 0.5, "kept": 0.5, "weight": pytest.approx(0.3),
+                     "accuracy_in_pool": 1.0, "accuracy_out_of_pool": 0.0}

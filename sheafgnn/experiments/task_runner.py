@@ -83,6 +83,7 @@ from sheafgnn.memory import tune_cpu
 from sheafgnn.model import SheafStateConfig, SheafStateLM
 from sheafgnn.optim import cosine_lr, make_optimizer
 from sheafgnn.site import SiteConfig, build_site
+from sheafgnn.site.schema import CONTENT_EDGE
 from sheafgnn.train import resolve_device, train_step
 
 TASKS = ("mqar", "scattered_recall", "selective_copying", "induction_heads")
@@ -334,9 +335,10 @@ def evaluate(model: nn.Module, spec: TaskSpec, length: int, examples: int, confi
     before it in its row (``ambiguous``): in MQAR, a query whose key also
     appeared as noise after its pair, where the token after that earlier
     occurrence is a decoy; in induction heads, a trigger seen more than once. For a sheaf model
-    with gluing, ``kept_per_output`` holds each block's kept gluing edges per output node (all edge
-    types) on the first batch of rows at the training length (None at other lengths): how many
-    messages its selection really takes.
+    with gluing, on the first batch of rows at the training length (None at other lengths),
+    ``kept_per_output`` holds each block's kept gluing edges per output node (all edge types): how
+    many messages its selection really takes; and ``answer_coverage`` whether each block's content
+    proposals reach the answer (:func:`answer_coverage`).
     """
     device, tokenizer = resolve_device(config.device), TaskTokenizer(spec.vocab_size)
     generator = torch.Generator().manual_seed(config.seed + 1_000_003 * length + 7)
@@ -345,17 +347,18 @@ def evaluate(model: nn.Module, spec: TaskSpec, length: int, examples: int, confi
     rows = max(1, config.eval_tokens // length)  # rows per forward pass
     model.eval()
     correct = scored = correct_ambiguous = scored_ambiguous = 0
-    kept_per_output = None
+    kept_per_output = coverage = None
     for i in range(0, examples, rows):
         batch = to_sites(x[i : i + rows], y[i : i + rows], site_config, tokenizer).to(device)
-        if i == 0 and length == spec.train_len and isinstance(model, SheafStateLM) and model.config.glues:
-            kept_per_output = [sum(int(e["edge_index"].size(1)) for t, e in model.topology(batch, block=b).items()
-                                   if t[2] == "output") / batch["output"].num_nodes
-                               for b in range(len(model.blocks))]
         pred = model(batch).argmax(-1)  # (rows * T,)
         target = batch["token"].y
         mask = target != IGNORE_INDEX
         hit = (pred[mask] == target[mask]).cpu()
+        if i == 0 and length == spec.train_len and isinstance(model, SheafStateLM) and model.config.glues:
+            topologies = [model.topology(batch, block=b, candidates=True) for b in range(len(model.blocks))]
+            kept_per_output = [sum(int(e["edge_index"].size(1)) for t, e in top.items() if t[2] == "output")
+                               / batch["output"].num_nodes for top in topologies]
+            coverage = answer_coverage(topologies, x[i : i + rows], y[i : i + rows], (pred == target).cpu())
         hard = ambiguous[i : i + rows].flatten()[mask.cpu()]
         correct, scored = correct + int(hit.sum()), scored + int(mask.sum())
         correct_ambiguous += int(hit[hard].sum())
@@ -366,7 +369,48 @@ def evaluate(model: nn.Module, spec: TaskSpec, length: int, examples: int, confi
             "accuracy_ambiguous": correct_ambiguous / scored_ambiguous if scored_ambiguous else None,
             "scored_ambiguous": scored_ambiguous,
             "accuracy_unambiguous": (correct - correct_ambiguous) / clear if clear else None,
-            "kept_per_output": kept_per_output}
+            "kept_per_output": kept_per_output, "answer_coverage": coverage}
+
+
+def bind_positions(x: Tensor, y: Tensor) -> Tensor:
+    """(R, T) for each scored position t, the latest p < t whose token ``x[p]`` is the answer ``y[t]`` right
+    after the query ``x[t]`` (``x[p - 1] == x[t]``): the value of an MQAR bind, the token after an earlier
+    induction trigger; -1 where there is none and at unscored positions (O(R T^2) memory)."""
+    R, T = x.shape
+    previous = torch.cat([x.new_full((R, 1), -1), x[:, :-1]], 1)  # (R, T): x[p - 1]
+    match = (previous.unsqueeze(1) == x.unsqueeze(2)) & (x.unsqueeze(1) == y.unsqueeze(2))  # (R, t, p)
+    match &= torch.ones(T, T, dtype=torch.bool).tril(-1) & (y != IGNORE_INDEX).unsqueeze(2)  # p < t, t scored
+    return torch.where(match, torch.arange(T), -1).amax(2)
+
+
+def answer_coverage(topologies: list[dict], x: Tensor, y: Tensor, hit: Tensor) -> list[dict]:
+    """Per block of a sheaf model, over the scored positions of rows ``x`` (R, T) whose answer sits at an
+    earlier position (:func:`bind_positions`): the fraction whose answer token is in the output's pool of
+    content proposals (``in_pool``), among the kept content edges (``kept``), the mean weight of that edge (0
+    when not kept), and the accuracy (``hit``: (R * T,) prediction == target) with the answer in the pool and out of it.
+    A recall task's accuracy can exceed ``in_pool`` only through the other paths (rules, random proposals, the
+    ssm); where it falls short of the pool's accuracy, the choice of blocks is what fails."""
+    R, T = x.shape
+    bind = bind_positions(x, y).flatten()  # (R * T,)
+    query = (bind >= 0).nonzero().squeeze(1)  # the outputs whose answer is in their row
+    pair, order = torch.sort((torch.div(query, T, rounding_mode="floor") * T + bind[query]) * R * T + query)
+    hit = hit[query][order]
+    out = []
+    for top in topologies:
+        edges = {k: v.cpu() for k, v in top[CONTENT_EDGE].items() if isinstance(v, Tensor)}
+        pool = torch.isin(pair, edges["candidate_index"][0] * R * T + edges["candidate_index"][1])
+        kept = edges["edge_index"][0] * R * T + edges["edge_index"][1]  # (E,) (token, output) ids
+        at = torch.searchsorted(pair, kept).clamp(max=max(pair.numel() - 1, 0))
+        found = pair[at] == kept if pair.numel() else torch.zeros_like(kept, dtype=torch.bool)
+        weight = torch.zeros(pair.numel()).index_put_((at[found],), edges["weight"][found])
+        out.append({"answers": int(pair.numel()), "in_pool": _mean(pool), "kept": _mean(weight > 0),
+                    "weight": _mean(weight), "accuracy_in_pool": _mean(hit[pool]),
+                    "accuracy_out_of_pool": _mean(hit[~pool])})
+    return out
+
+
+def _mean(values: Tensor) -> float | None:
+    return float(values.float().mean()) if values.numel() else None
 
 
 def _fraction(value: float | None) -> str:
@@ -434,7 +478,7 @@ def run_task(spec: TaskSpec, config: TasksConfig) -> dict:
             accuracy[str(length)], scored[str(length)] = r["accuracy"], r["scored"]
             split[str(length)] = {k: r[k] for k in ("accuracy_ambiguous", "scored_ambiguous", "accuracy_unambiguous")}
             if r["kept_per_output"] is not None:
-                result["kept_per_output"] = r["kept_per_output"]
+                result["kept_per_output"], result["answer_coverage"] = r["kept_per_output"], r["answer_coverage"]
         result.update(accuracy=accuracy, scored=scored, ambiguity=split)
         if warmup is not None:  # the curriculum's final model on the shorter task too: one model for both
             result["warmup"]["final_accuracy"] = evaluate(model, short, short.train_len, config.test_examples, config,
@@ -446,6 +490,10 @@ def run_task(spec: TaskSpec, config: TasksConfig) -> dict:
               + f"  ({result['train_s']:.0f} s, {result['train_tokens_per_s']:.0f} train tok/s); ambiguous "
               + "  ".join(f"@{n}: {_fraction(r['accuracy_ambiguous'])} of {r['scored_ambiguous']}"
                           for n, r in split.items()))
+        for b, c in enumerate(result.get("answer_coverage") or []):
+            print(f"  block {b}: answer in the content pool {_fraction(c['in_pool'])}, kept {_fraction(c['kept'])}; "
+                  f"accuracy with it there {_fraction(c['accuracy_in_pool'])}, without "
+                  f"{_fraction(c['accuracy_out_of_pool'])} ({c['answers']} answers)")
         out[kind] = result
     return {"vocab_size": spec.vocab_size, "train_len": spec.train_len, "test_lens": list(spec.test_lens),
             "models": out}
