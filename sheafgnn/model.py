@@ -96,8 +96,7 @@ class GluingConfig(ConfigFile):
     # they gathered reaches the tokens through the broadcast times a per-channel gate g; R reads the tokens.
     # "outputs": the outputs keep their states across blocks, R reads them. "off": the ssm ablation (no patches).
     mode: str = "tokens"
-    # "tokens": g starts at gate_init and is gate_scale times a parameter (Adam moves it by about lr a step); from
-    # 0 at the weights' rate (ReZero) recall barely learns (docs/results.md#the-gate-that-learns-faster-the-default)
+    # "tokens": g = gate_scale * a parameter, from gate_init (docs/results.md#the-gate-that-learns-faster-the-default)
     gate_init: float = 0.1
     gate_scale: float = 10.0
     stalk_dim: int = 4  # d, the stalk dimension of the sheaf (d_model = d * channels)
@@ -137,10 +136,10 @@ FLAT_KEYS = {
 }
 
 
-# The defaults of the flat layout that the nested one changed: a config with flat keys was written by an earlier
-# version, and where it is silent these fill it, not today's.
+# Defaults of the flat layout that the nested one changed: they fill a flat (earlier) config where it is silent.
 FLAT_DEFAULTS = {"gluing": {"mode": "outputs", "projections": True}, "ssm": {"shared": False},
-                 "experts": {"shared": False}}
+                 "experts": {"shared": False}, "topology": {"content_blocks": 2, "block_size": 16,
+                                                            "block_summary": "mean"}}
 
 
 def nest_flat_keys(values: dict) -> tuple[dict, list[str]]:
@@ -213,7 +212,8 @@ class SheafStateConfig(ConfigFile):
             for group, fields in FLAT_DEFAULTS.items():
                 nested[group] = {**fields, **nested.get(group, {})}
             moved.append("unset fields keep the flat layout's defaults (FLAT_DEFAULTS: gluing.mode outputs, "
-                         "gluing.projections true, ssm.shared false, experts.shared false)")
+                         "gluing.projections true, ssm.shared false, experts.shared false, topology: 2 content "
+                         "blocks of 16, mean summary)")
             warnings.warn("SheafStateConfig: these flat keys are deprecated and were moved: " + "; ".join(moved),
                           FutureWarning, stacklevel=3)
         return nested
