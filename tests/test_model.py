@@ -333,7 +333,8 @@ def test_flat_keys_of_earlier_versions_load_with_a_deprecation_warning():
             "gluing": True, "token_residual": True, "tune_cpu_allocator": True, "site": {"local_window": 8}}
     with pytest.warns(FutureWarning, match="topology_rank -> topology.rank.*proposal_block -> topology.block_size"):
         config = SheafStateConfig.from_dict(flat)
-    assert config == SheafStateConfig(d_model=32, topology={"rank": 64, "block_size": 4},
+    assert config == SheafStateConfig(d_model=32, topology={"rank": 64, "block_size": 4, "content_blocks": 2,
+                                                            "block_summary": "mean"},
                                       ssm={"headdim": 16, "shared": False}, experts={"shared": False},
                                       gluing={"map_kind": "general", "mode": "tokens", "projections": True},
                                       site={"local_window": 8})
@@ -341,6 +342,7 @@ def test_flat_keys_of_earlier_versions_load_with_a_deprecation_warning():
         legacy = SheafStateConfig.from_dict({"topology_rank": 16})
     assert (legacy.gluing.mode, legacy.gluing.projections, legacy.ssm.shared, legacy.experts.shared) \
         == ("outputs", True, False, False)
+    assert (legacy.topology.content_blocks, legacy.topology.block_size, legacy.topology.block_summary) == (2, 16, "mean")
     assert SheafStateConfig.from_dict({"topology": {"rank": 16}}).gluing.mode == SheafStateConfig().gluing.mode
     with pytest.warns(FutureWarning, match="gluing.mode: off"):
         assert SheafStateConfig.from_dict({"gluing": False}).gluing.mode == "off"

@@ -250,8 +250,8 @@ def test_topology_input_and_repr(full_config):
     assert inp.outputs == site.outputs and inp.token_pos.numel() == site.tokens.stop
     topo = model.blocks[0].topology
     assert isinstance(topo, LearnedTopology) and topo.sink.numel() == len(FLAT_TYPES)
-    assert str(topo) == (f"LearnedTopology(32, num_edge_types={len(GLUE_EDGES)}, k=8, content_blocks=2, "
-                         "block_size=16, random_proposals=4, block_scorer=False, block_summary='mean', "
+    assert str(topo) == (f"LearnedTopology(32, num_edge_types={len(GLUE_EDGES)}, k=8, content_blocks=8, "
+                         "block_size=4, random_proposals=4, block_scorer=False, block_summary='bounds', "
                          "sink_threshold=False)")
     with pytest.raises(ValueError, match="block_summary must be one of"):
         LearnedTopology(32, 3, 2, k=1, content_type=1, random_type=2, block_summary="max")
@@ -394,7 +394,7 @@ def test_block_distillation_by_hand():
     B, m, lengths = 4, 2, [13, 9]
     inp, n = _token_input(lengths), sum(lengths)
     topo = LearnedTopology(6, 3, len(FLAT_TYPES), k=2, content_type=1, random_type=2, rank=3, content_blocks=m,
-                           block_size=B, block_scorer=True).double()
+                           block_size=B, block_scorer=True, block_summary="mean").double()
     x = torch.randn(2 * n, 6, dtype=torch.float64)
     tokens = x[inp.tokens]
     query, keys = topo.block_query(x[inp.outputs]), topo.block_token_keys(tokens, topo._previous(tokens, inp))
