@@ -211,9 +211,9 @@ class SheafStateConfig(ConfigFile):
         if moved:  # an earlier version's config: its defaults fill what it does not say
             for group, fields in FLAT_DEFAULTS.items():
                 nested[group] = {**fields, **nested.get(group, {})}
-            moved.append("unset fields keep the flat layout's defaults (FLAT_DEFAULTS: gluing.mode outputs, "
-                         "gluing.projections true, ssm.shared false, experts.shared false, topology: 2 content "
-                         "blocks of 16, mean summary)")
+            moved.append("unset fields keep the flat layout's defaults (FLAT_DEFAULTS: " + ", ".join(
+                f"{group}.{name} {value}" for group, fields in FLAT_DEFAULTS.items() for name, value in fields.items())
+                + ")")
             warnings.warn("SheafStateConfig: these flat keys are deprecated and were moved: " + "; ".join(moved),
                           FutureWarning, stacklevel=3)
         return nested

@@ -342,7 +342,8 @@ def test_flat_keys_of_earlier_versions_load_with_a_deprecation_warning():
         legacy = SheafStateConfig.from_dict({"topology_rank": 16})
     assert (legacy.gluing.mode, legacy.gluing.projections, legacy.ssm.shared, legacy.experts.shared) \
         == ("outputs", True, False, False)
-    assert (legacy.topology.content_blocks, legacy.topology.block_size, legacy.topology.block_summary) == (2, 16, "mean")
+    assert (legacy.topology.content_blocks, legacy.topology.block_size, legacy.topology.block_summary) \
+        == (2, 16, "mean")
     assert SheafStateConfig.from_dict({"topology": {"rank": 16}}).gluing.mode == SheafStateConfig().gluing.mode
     with pytest.warns(FutureWarning, match="gluing.mode: off"):
         assert SheafStateConfig.from_dict({"gluing": False}).gluing.mode == "off"
