@@ -158,7 +158,7 @@ def test_curve_and_summary_rows(tmp_path):
     assert len(rows) == 2 * 1 + 2 * 2  # mqar at its length, induction at two lengths, for two models
     mqar_sheaf = next(r for r in rows if r["task"] == "mqar" and r["model"] == "sheaf")
     assert mqar_sheaf == {"task": "mqar", "seq_len": 64, "train_len": 64, "pairs": 4, "vocab": 64, "model": "sheaf",
-                          "hash_retrieval": False, "topology_rank": 16, "topology_k": 8, "content_blocks": 8,
+                          "hash_retrieval": False, "topology_rank": 16, "topology_k": 8, "content_blocks": 16,
                           "proposal_block": 4, "pool_loss_weight": 0.0, "block_scorer": False,
                           "block_summary": "bounds", "sink_threshold": False, "keep_cost": 0.0, "map_kind": "diag",
                           "warmup": None, "lr": config.lr, "seed": 0, "accuracy": curve[-1]["accuracy"],

@@ -250,7 +250,7 @@ def test_topology_input_and_repr(full_config):
     assert inp.outputs == site.outputs and inp.token_pos.numel() == site.tokens.stop
     topo = model.blocks[0].topology
     assert isinstance(topo, LearnedTopology) and topo.sink.numel() == len(FLAT_TYPES)
-    assert str(topo) == (f"LearnedTopology(32, num_edge_types={len(GLUE_EDGES)}, k=8, content_blocks=8, "
+    assert str(topo) == (f"LearnedTopology(32, num_edge_types={len(GLUE_EDGES)}, k=8, content_blocks=16, "
                          "block_size=4, random_proposals=4, block_scorer=False, block_summary='bounds', "
                          "sink_threshold=False)")
     with pytest.raises(ValueError, match="block_summary must be one of"):
