@@ -90,7 +90,7 @@ class TopologyConfig(ConfigFile):
     # Content-addressed blocks proposed per output (0: off) and tokens per block B: blocks of 4, not 16, so that a
     # query finds its bind's block when few tokens share its summary (MQAR (128, 8): the answer in the pool for 99%
     # of queries, 85% with 2 of 16); 16 of them, not 8, so that it does in every seed (100% at seed 1, where 8 reach
-    # 94%; docs/results.md#the-choice-of-blocks-the-default)
+    # 94%; docs/results.md#sixteen-blocks-every-seed-finds-its-answer)
     content_blocks: int = 16
     block_size: int = 4
     random_proposals: int = 4  # seeded random past tokens proposed per output
@@ -248,9 +248,12 @@ class LearnedTopology(TopologyStep, nn.Module):
     """
 
     def __init__(self, channels: int, num_edge_types: int, num_node_types: int, k: int, content_type: int,
-                 random_type: int, rank: int = 16, content_blocks: int = 16, block_size: int = 4,
-                 random_proposals: int = 4, seed: int = 0, block_scorer: bool = False, block_summary: str = "bounds",
-                 sink_threshold: bool = False) -> None:
+                 random_type: int, rank: int = TopologyConfig.rank, content_blocks: int = TopologyConfig.content_blocks,
+                 block_size: int = TopologyConfig.block_size, random_proposals: int = TopologyConfig.random_proposals,
+                 seed: int = 0, block_scorer: bool = TopologyConfig.block_scorer,
+                 block_summary: str = TopologyConfig.block_summary,
+                 sink_threshold: bool = TopologyConfig.sink_threshold) -> None:
+        # the defaults are TopologyConfig's: one place says what the default topology is
         super().__init__()
         name = self.__class__.__name__
         check_topology(name, k, rank, content_blocks, block_size, random_proposals, block_summary)
