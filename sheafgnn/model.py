@@ -544,22 +544,21 @@ class SheafStateLM(nn.Module):
         return loss
 
     @torch.no_grad()
-    def topology(self, data: HeteroData, block: int = -1,
-                 candidates: bool = False) -> dict[tuple[str, str, str], dict[str, Tensor]]:
-        """The learned topology of one block (default: the last), in evaluation mode.
+    def topology(self, data: HeteroData, block: int | None = -1,
+                 candidates: bool = False) -> dict[tuple[str, str, str], dict[str, Tensor]] | list[dict]:
+        """The learned topology of one block (default: the last; ``None``: a list of every block's, from the one
+        forward pass that each needs), in evaluation mode.
 
-        Returns, per glue edge type (:data:`~sheafgnn.site.schema.GLUE_EDGES`:
-        the site's rule types, then the content-addressed ``token matches
-        output`` and the random ``token explores output`` proposals), the kept
+        Returns, per glue edge type (:data:`~sheafgnn.site.schema.GLUE_EDGES`: the site's rule types, then the
+        content-addressed ``token matches output`` and the random ``token explores output`` proposals), the kept
         edges in that type's node indices::
 
             {edge_type: {"edge_index": (2, num_kept), "score": (num_kept,), "weight": (num_kept,),
                          "energy": (num_kept,), "num_candidates": int}}
 
-        ``weight`` is the softmax weight of the edge's message (a
-        destination's weights sum to one minus its "nothing" weight). With
-        ``candidates=True`` each entry also holds the whole pool:
-        ``"candidate_index"`` (2, C) and ``"candidate_score"`` (C,).
+        ``weight`` is the softmax weight of the edge's message (a destination's weights sum to one minus its
+        "nothing" weight). With ``candidates=True`` each entry also holds the whole pool: ``"candidate_index"``
+        (2, C) and ``"candidate_score"`` (C,).
         """
         if not self.config.glues:
             raise ValueError("SheafStateLM.topology: this model has gluing switched off (the ssm ablation)")
@@ -567,20 +566,21 @@ class SheafStateLM(nn.Module):
         self.eval()
         _, infos, site = self._forward(data, Extras(candidates=candidates, energy=True))
         self.train(was_training)
-        chosen: Selection = infos[block]["selection"]
-        out = {}
+        per_block = [{} for _ in infos]
         for t, (src_type, rel, dst_type) in enumerate(GLUE_EDGES):
             shift = torch.tensor([[site.block(src_type).start], [site.block(dst_type).start]], device=site.time.device)
-            mask = chosen.edge_type == t
-            entry = {"edge_index": chosen.edge_index[:, mask] - shift, "score": chosen.score[mask],
-                     "weight": chosen.weight[mask], "energy": infos[block]["energy"][mask],
-                     "num_candidates": int(chosen.num_candidates[t])}
-            if candidates:
-                index, types, score = chosen.candidates
-                pool = types == t
-                entry["candidate_index"], entry["candidate_score"] = index[:, pool] - shift, score[pool]
-            out[(src_type, rel, dst_type)] = entry
-        return out
+            for info, out in zip(infos, per_block):
+                chosen: Selection = info["selection"]
+                mask = chosen.edge_type == t
+                entry = {"edge_index": chosen.edge_index[:, mask] - shift, "score": chosen.score[mask],
+                         "weight": chosen.weight[mask], "energy": info["energy"][mask],
+                         "num_candidates": int(chosen.num_candidates[t])}
+                if candidates:
+                    index, types, score = chosen.candidates
+                    pool = types == t
+                    entry["candidate_index"], entry["candidate_score"] = index[:, pool] - shift, score[pool]
+                out[(src_type, rel, dst_type)] = entry
+        return per_block if block is None else per_block[block]
 
     def stream(self, batch_size: int = 1, tokenizer=None) -> SheafStream:
         """A :class:`~sheafgnn.stream.SheafStream` of ``batch_size`` independent streams: ``feed(ids)``

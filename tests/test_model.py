@@ -122,6 +122,16 @@ def test_topology_contract(full_config):
         assert (data[src_type].time[index[0]] <= data[dst_type].time[index[1]]).all()
     # all edge types of a destination compete for one budget of k
     assert max(kept_per_destination.values()) == k
+    # block=None: every block's topology from one forward pass, each the one that block=b returns
+    every_block = model.topology(data, block=None, candidates=True)
+    assert len(every_block) == len(model.blocks) >= 2
+    for b, topology in enumerate(every_block):
+        alone = model.topology(data, block=b, candidates=True)
+        assert set(topology) == set(alone)
+        for edge_type, out in topology.items():
+            for key, value in out.items():
+                other = alone[edge_type][key]
+                assert torch.equal(value, other) if torch.is_tensor(value) else value == other
 
 
 def test_topk_per_group():

@@ -245,8 +245,8 @@ def value_copy_sources(model: SheafStateLM, data: HeteroData, seq: SyntheticSequ
     for s, d in sorted(zip(src, dst), key=lambda p: p[1]):
         first[d] = first.get(s, s)
     out = []
-    for b in range(len(model.blocks)):
-        edges = model.topology(data, block=b)[CONTENT_EDGE]
+    for topology in model.topology(data, block=None):
+        edges = topology[CONTENT_EDGE]
         ei, weight = edges["edge_index"], edges["weight"]
         order = torch.argsort(weight, stable=True)
         order = order[torch.argsort(ei[1, order], stable=True)]  # by output, then weight: the last is the strongest

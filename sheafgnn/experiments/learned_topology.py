@@ -127,13 +127,9 @@ TARGETS = {"coverage": 0.99, "waste": PAPER["sheaf"]["waste"], "auc_per_destinat
 
 
 def block_topologies(model: SheafStateLM, data: HeteroData, candidates: bool = False) -> list[Topology]:
-    """``model.topology(data, block=b, candidates=candidates)`` of every block b, detached on the CPU."""
-    per_block = []
-    for b in range(len(model.blocks)):
-        topology = model.topology(data, block=b, candidates=candidates)
-        per_block.append({e: {k: v.cpu() if isinstance(v, Tensor) else v for k, v in entry.items()}
-                          for e, entry in topology.items()})
-    return per_block
+    """``model.topology(data, block=None, candidates=candidates)``: every block's, detached on the CPU."""
+    return [{e: {k: v.cpu() if isinstance(v, Tensor) else v for k, v in entry.items()} for e, entry in topology.items()}
+            for topology in model.topology(data, block=None, candidates=candidates)]
 
 
 def union_of_blocks(per_block: list[Topology], index: str = "edge_index") -> Topology:

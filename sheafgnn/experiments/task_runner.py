@@ -355,7 +355,7 @@ def evaluate(model: nn.Module, spec: TaskSpec, length: int, examples: int, confi
         mask = target != IGNORE_INDEX
         hit = (pred[mask] == target[mask]).cpu()
         if i == 0 and length == spec.train_len and isinstance(model, SheafStateLM) and model.config.glues:
-            topologies = [model.topology(batch, block=b, candidates=True) for b in range(len(model.blocks))]
+            topologies = model.topology(batch, block=None, candidates=True)
             kept_per_output = [sum(int(e["edge_index"].size(1)) for t, e in top.items() if t[2] == "output")
                                / batch["output"].num_nodes for top in topologies]
             coverage = answer_coverage(topologies, x[i : i + rows], y[i : i + rows], (pred == target).cpu())
