@@ -10,6 +10,7 @@ variants with one part changed, each at every seed of ``--seeds``, on the same t
                             with no nodes in the default sites (topic: no topic model) are listed, not run
     no_content_proposals    the content-addressed proposals (topology.content_blocks 0)
     no_random_proposals     the random proposals (topology.random_proposals 0)
+    qk_norm                 the RMSNorms of the topology's queries and keys switched the other way (topology.qk_norm)
     identity_maps           restriction maps fixed to the identity (gluing.map_kind identity)
     separate_patch_ssm      the patch chains with an SSM of their own (ssm.shared false)
     experts_per_type        one expert per node type (experts.shared false)
@@ -80,6 +81,7 @@ def variants(d_model: int, patch_types: list[str]) -> dict[str, dict]:
         out[f"no_{patch_type}"] = {"model": "sheaf", "model_config": model, "site": site}
     changes = {"no_content_proposals": {"topology": {"content_blocks": 0}},
                "no_random_proposals": {"topology": {"random_proposals": 0}},
+               "qk_norm": {"topology": {"qk_norm": not default.topology.qk_norm}},
                "identity_maps": {"gluing": {"map_kind": "identity"}},
                "separate_patch_ssm": {"ssm": {"shared": not default.ssm.shared}},
                "experts_per_type": {"experts": {"shared": not default.experts.shared}},

@@ -85,9 +85,9 @@ from sheafgnn.optim import make_optimizer
 from sheafgnn.site import SiteBuilder, SiteConfig, build_site
 from sheafgnn.train import train_step
 
-# The default sheaf model before its content proposals became 16 blocks of 4 tokens: 8 of them (the default
-# of 1b3af93). Step 5 measures both defaults in one run.
-PREVIOUS_DEFAULT = {"topology": {"content_blocks": 8}}
+# The default sheaf model before its topology normalised its queries and keys (the default of 373e718). Step 5
+# measures both defaults in one run.
+PREVIOUS_DEFAULT = {"topology": {"qk_norm": False}}
 
 
 def best_of(fn, repeats: int) -> float:

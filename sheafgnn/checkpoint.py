@@ -34,9 +34,11 @@ WEIGHTS = "model.safetensors"
 STATE = "state.pt"
 LATEST = "latest"
 # Bumped when the layout of state.pt or what its weights compute changes: 2 since the gluing into the tokens adds
-# what each output gathered, not the output state (SheafBlock.token_tail). A model that computes otherwise with
-# an earlier format's weights names the oldest format it reads as ``oldest_checkpoint_format``.
-FORMATS = (1, 2)  # the formats read_state reads
+# what each output gathered, not the output state (SheafBlock.token_tail); 3 since the topology normalises its
+# queries and keys (TopologyConfig.qk_norm, on by default): read_state gives the sheaf model config of an earlier
+# format ``topology.qk_norm: false`` where it is silent, which is what its weights compute. A model that computes
+# otherwise with an earlier format's weights names the oldest format it reads as ``oldest_checkpoint_format``.
+FORMATS = (1, 2, 3)  # the formats read_state reads
 FORMAT = FORMATS[-1]  # the one save_checkpoint writes
 
 
@@ -142,6 +144,11 @@ def read_state(path: str | os.PathLike) -> dict:
         raise CheckpointError(f"checkpoint {state_file} has an unknown layout "
                               f"(format {state.get('format') if isinstance(state, dict) else None}, "
                               f"expected one of {FORMATS})")
+    config, model_config = state.get("config"), state.get("model_config")
+    sheaf = not isinstance(config, dict) or config.get("model", "sheaf") == "sheaf"  # a train run's, or the model's
+    if state["format"] < 3 and sheaf and isinstance(model_config, dict):  # written before topology.qk_norm
+        topology = model_config.get("topology")
+        model_config["topology"] = {"qk_norm": False, **(topology if isinstance(topology, dict) else {})}
     return state
 
 

@@ -39,7 +39,7 @@ from sheafgnn.nn.quant import BACKENDS, QMAX, PackedLinear, QuantLinear, pack_co
 __all__ = ["QuantizedFileError", "export_quantized", "load_quantized", "model_bytes"]
 
 FORMAT = "sheafgnn-quant"
-VERSION = 1
+VERSION = 2  # 2: the topology's QK-norm (TopologyConfig.qk_norm), whose weights a version-1 file lacks
 _REDO = "; re-export the model with export_quantized"
 
 

@@ -377,6 +377,23 @@ def test_a_checkpoint_whose_weights_compute_otherwise_is_refused(full_config, tm
         assert load_checkpoint(step, model)["format"] == 1
 
 
+def test_a_checkpoint_written_before_qk_norm_loads_without_it(full_config, tmp_path):
+    """A sheaf model config saved before format 3 predates topology.qk_norm: read_state says qk_norm false where it
+    is silent (the weights have no norms); from format 3 on, silence means the default."""
+    from sheafgnn.checkpoint import FORMAT, load_checkpoint, read_state, save_checkpoint
+
+    config = small_model_config(full_config, topology={"qk_norm": False})
+    saved = config.to_dict()
+    del saved["topology"]["qk_norm"]
+    step = save_checkpoint(tmp_path, 1, SheafStateLM(config), {"model_config": saved})
+    assert read_state(step)["model_config"]["topology"].get("qk_norm", True) and FORMAT == 3
+    torch.save({**torch.load(step / "state.pt", weights_only=True), "format": 2}, step / "state.pt")
+    state = read_state(step)
+    model = SheafStateLM(SheafStateConfig.from_dict(state["model_config"]))
+    assert model.config == config
+    load_checkpoint(step, model)
+
+
 def test_a_checkpoint_saved_with_flat_keys_loads():
     """A committed checkpoint whose config predates the groups (benchmarks/results/learned_topology_d64/model,
     flat keys) loads with its weights and runs."""

@@ -181,8 +181,27 @@ def test_scores_are_on_the_gradient_path(full_config):
     data["token"].y = torch.roll(data["token"].x, -1)
     model.loss(data).backward()
     topo = model.blocks[0].topology
-    for p in (topo.query.weight, topo.key.weight, topo.key_previous.weight, topo.type_bias, topo.sink):
+    for p in (topo.query.weight, topo.key.weight, topo.key_previous.weight, topo.query_norm.weight,
+              topo.key_norm.weight, topo.type_bias, topo.sink):
         assert p.grad is not None and p.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_qk_norm_bounds_the_scores(full_config, qk_norm):
+    # With QK-norm a query and a key have norm sqrt(r) times their gains (1 at init), so however large the
+    # projections grow, |<q, k>| / sqrt(r) <= sqrt(r) (+ the type bias, 0 at init); without it the scores grow with
+    # the projections.
+    torch.manual_seed(0)
+    model = SheafStateLM(small_model_config(full_config, topology={"qk_norm": qk_norm}))
+    for block in model.blocks:
+        for linear in (block.topology.query, block.topology.key, block.topology.key_previous):
+            linear.weight.data.mul_(100.0)
+    data = build_site(PROSE, model.config.site_config)
+    largest = max(float(entry["candidate_score"].abs().max())
+                  for top in model.topology(data, block=None, candidates=True) for entry in top.values()
+                  if entry["candidate_score"].numel())
+    rank = model.config.topology.rank
+    assert (largest <= rank**0.5 + 1e-4) == qk_norm, largest
 
 
 @pytest.mark.parametrize("text,block_summary,sink_threshold",
@@ -250,7 +269,7 @@ def test_topology_input_and_repr(full_config):
     assert inp.outputs == site.outputs and inp.token_pos.numel() == site.tokens.stop
     topo = model.blocks[0].topology
     assert isinstance(topo, LearnedTopology) and topo.sink.numel() == len(FLAT_TYPES)
-    assert str(topo) == (f"LearnedTopology(32, num_edge_types={len(GLUE_EDGES)}, k=8, content_blocks=16, "
+    assert str(topo) == (f"LearnedTopology(32, num_edge_types={len(GLUE_EDGES)}, k=8, qk_norm=True, content_blocks=16, "
                          "block_size=4, random_proposals=4, block_scorer=False, block_summary='bounds', "
                          "sink_threshold=False)")
     with pytest.raises(ValueError, match="block_summary must be one of"):

@@ -7,8 +7,9 @@ kept candidate is the logit of the softmax that weighs its message, so the
 score is on the gradient path (a softmax over one candidate, or a hard mask,
 would pass no gradient)::
 
-    candidates of destination v          score s_e = <W_q x_v, k_u> / sqrt(r) + b_type(e)
-                                         k_u = W_k x_u (+ W_k' x_{u-1} for a token u)
+    candidates of destination v          score s_e = <q_v, k_u> / sqrt(r) + b_type(e)
+                                         q_v = norm_q(W_q x_v), k_u = norm_k(W_k x_u (+ W_k' x_{u-1} for a token u))
+                                         (norm: RMSNorm with learned gains, QK-norm; with `qk_norm=False`, none)
       rule proposals    the site's causal edges into v (chains, anchors, links, reads)
       content proposals the tokens of the `content_blocks` best complete blocks before v, and
                         those of v's own block up to v (outputs only; the own block is NSA's window).
@@ -87,6 +88,9 @@ class TopologyConfig(ConfigFile):
 
     k: int = 8  # candidates kept per destination (all edge types compete together)
     rank: int = 16  # width r of the query/key projections
+    # RMSNorm with learned gains on the queries and keys (QK-norm): the scores start bounded by sqrt(r) and grow only
+    # as the gains do (MQAR (128, 8) seed 1: 0.996 at 1,200 steps, 0.971 after 3,000 without; docs/results.md)
+    qk_norm: bool = True
     # Content-addressed blocks proposed per output (0: off) and tokens per block B: blocks of 4, not 16, so that a
     # query finds its bind's block when few tokens share its summary (MQAR (128, 8): the answer in the pool for 99%
     # of queries, 85% with 2 of 16); 16 of them, not 8, so that it does in every seed (100% at seed 1, where 8 reach
@@ -114,9 +118,10 @@ class TopologyConfig(ConfigFile):
                random_type: int) -> LearnedTopology:
         """The :class:`LearnedTopology` this config describes (the losses are the model's to add)."""
         return LearnedTopology(channels, num_edge_types, num_node_types, self.k, content_type, random_type,
-                               rank=self.rank, content_blocks=self.content_blocks, block_size=self.block_size,
-                               random_proposals=self.random_proposals, block_scorer=self.block_scorer,
-                               block_summary=self.block_summary, sink_threshold=self.sink_threshold)
+                               rank=self.rank, qk_norm=self.qk_norm, content_blocks=self.content_blocks,
+                               block_size=self.block_size, random_proposals=self.random_proposals,
+                               block_scorer=self.block_scorer, block_summary=self.block_summary,
+                               sink_threshold=self.sink_threshold)
 
 
 def topk_per_group(score: Tensor, group: Tensor, k: int) -> Tensor:
@@ -203,16 +208,17 @@ class LearnedTopology(TopologyStep, nn.Module):
     For a candidate :math:`e = (u \to v)` of type :math:`\tau`,
 
     .. math::
-        s_e = \frac{\langle \mathbf{W}_q \mathbf{x}_v, \mathbf{k}_u
+        s_e = \frac{\langle \mathbf{q}_v, \mathbf{k}_u
         \rangle}{\sqrt{r}} + b_\tau, \qquad
         \alpha_e = \frac{\exp s_e}{\exp s_{\varnothing, \kappa(v)} +
         \sum_{e' \in K(v)} \exp s_{e'}} \quad (e \in K(v)),
 
-    with :math:`\mathbf{k}_u = \mathbf{W}_k \mathbf{x}_u` for a patch and
-    :math:`\mathbf{k}_u = \mathbf{W}_k \mathbf{x}_u + \mathbf{W}'_k \mathbf{x}_{u-1}` for a token (the
-    token before it; zero at a graph's start), where :math:`K(v)` holds the
-    :math:`k` best candidates of :math:`v`'s pool (rule, content and random
-    proposals together, see the module docstring)
+    with :math:`\mathbf{q}_v = n_q(\mathbf{W}_q \mathbf{x}_v)`, :math:`\mathbf{k}_u = n_k(\mathbf{W}_k
+    \mathbf{x}_u)` for a patch and :math:`\mathbf{k}_u = n_k(\mathbf{W}_k \mathbf{x}_u + \mathbf{W}'_k
+    \mathbf{x}_{u-1})` for a token (the token before it; zero at a graph's start), :math:`n_q, n_k`
+    RMSNorms with learned gains (QK-norm: a score starts within :math:`\pm\sqrt{r}`, so the softmax starts
+    soft), where :math:`K(v)` holds the :math:`k` best candidates of :math:`v`'s pool (rule, content and
+    random proposals together, see the module docstring)
     and :math:`s_{\varnothing, \kappa}` is a learned "nothing" logit per
     destination node type :math:`\kappa`.
 
@@ -224,6 +230,7 @@ class LearnedTopology(TopologyStep, nn.Module):
         content_type (int): the edge type of the content proposals (the caller looks it up by name).
         random_type (int): the edge type of the random proposals.
         rank (int, optional): width :math:`r` of the query/key projections. (default: :obj:`16`)
+        qk_norm (bool, optional): the RMSNorms :math:`n_q, n_k`; identities if :obj:`False`. (default: :obj:`True`)
         content_blocks (int, optional): blocks proposed per output; 0 switches content
             proposals off. (default: :obj:`16`)
         block_size (int, optional): tokens per content block :math:`B`. (default: :obj:`4`)
@@ -248,7 +255,8 @@ class LearnedTopology(TopologyStep, nn.Module):
     """
 
     def __init__(self, channels: int, num_edge_types: int, num_node_types: int, k: int, content_type: int,
-                 random_type: int, rank: int = TopologyConfig.rank, content_blocks: int = TopologyConfig.content_blocks,
+                 random_type: int, rank: int = TopologyConfig.rank, qk_norm: bool = TopologyConfig.qk_norm,
+                 content_blocks: int = TopologyConfig.content_blocks,
                  block_size: int = TopologyConfig.block_size, random_proposals: int = TopologyConfig.random_proposals,
                  seed: int = 0, block_scorer: bool = TopologyConfig.block_scorer,
                  block_summary: str = TopologyConfig.block_summary,
@@ -260,13 +268,15 @@ class LearnedTopology(TopologyStep, nn.Module):
         if not (0 <= content_type < num_edge_types and 0 <= random_type < num_edge_types):
             raise ValueError(f"{name}: content_type and random_type must be edge types in [0, {num_edge_types}) "
                              f"(got {content_type} and {random_type})")
-        self.channels, self.num_edge_types, self.k, self.rank = channels, num_edge_types, k, rank
+        self.channels, self.num_edge_types, self.k, self.rank, self.qk_norm = channels, num_edge_types, k, rank, qk_norm
         self.content_blocks, self.block_size, self.block_summary = content_blocks, block_size, block_summary
         self.random_proposals, self.seed, self.sink_threshold = random_proposals, seed, sink_threshold
         self.content_type, self.random_type = content_type, random_type
         self.query = nn.Linear(channels, rank, bias=False)
         self.key = nn.Linear(channels, rank, bias=False)
         self.key_previous = nn.Linear(channels, rank, bias=False)  # a token's key also sees the token before it
+        self.query_norm = nn.RMSNorm(rank) if qk_norm else nn.Identity()
+        self.key_norm = nn.RMSNorm(rank) if qk_norm else nn.Identity()
         # A block scorer of its own: a block summary averages 16 token keys, and the token scorer's keys, free to
         # score its losers anyhow, can drown the one match in the noise of the other 15 (MQAR at 512 tokens, 32
         # pairs: the chosen blocks held the answer for 67-71% of queries with them, 82-88% with this scorer)
@@ -281,8 +291,9 @@ class LearnedTopology(TopologyStep, nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        for linear in (self.query, self.key, self.key_previous):
-            linear.reset_parameters()
+        for layer in (self.query, self.key, self.key_previous, self.query_norm, self.key_norm):
+            if hasattr(layer, "reset_parameters"):  # nn.Identity has none
+                layer.reset_parameters()
         if self.block_scorer:
             for linear in (self.block_query, self.block_key, self.block_key_previous):
                 linear.reset_parameters()
@@ -545,7 +556,7 @@ class LearnedTopology(TopologyStep, nn.Module):
 
     def forward(self, x: Tensor, inp: TopologyInput, return_candidates: bool = False,
                 return_pool_read: bool = False, return_block_loss: bool = False) -> Selection:
-        q, k = self.query(x), self._keys(x, inp)  # (N, r) each
+        q, k = self.query_norm(self.query(x)), self.key_norm(self._keys(x, inp))  # (N, r) each
         patch, patch_pool, patch_types = self._patch_selection(q, k, inp, return_candidates)
         output, output_pool, output_types, pool_read, block_loss = self._output_selection(
             x, q, k, inp, return_candidates, return_pool_read, return_block_loss)
@@ -560,6 +571,6 @@ class LearnedTopology(TopologyStep, nn.Module):
 
     def __repr__(self) -> str:
         return (f"{self.__class__.__name__}({self.channels}, num_edge_types={self.num_edge_types}, k={self.k}, "
-                f"content_blocks={self.content_blocks}, block_size={self.block_size}, "
+                f"qk_norm={self.qk_norm}, content_blocks={self.content_blocks}, block_size={self.block_size}, "
                 f"random_proposals={self.random_proposals}, block_scorer={self.block_scorer}, "
                 f"block_summary={self.block_summary!r}, sink_threshold={self.sink_threshold})")

@@ -43,8 +43,8 @@ _KEY_ARGUMENTS = ("query", "key", "key_previous", "query.weight", "key.weight", 
 class TopologyStep:
     """The streamed selection of :class:`~sheafgnn.nn.topology.LearnedTopology`, a base class of it: the methods
     read the topology's projections (``query``, ``key``, ``key_previous``, ``block_query``, ``block_token_keys``),
-    parameters (``sink``, ``type_bias``), settings and competitions (``score``, ``compete_sparse``,
-    ``compete_pools``)."""
+    the norms of its queries and keys (``query_norm``, ``key_norm``), parameters (``sink``, ``type_bias``),
+    settings and competitions (``score``, ``compete_sparse``, ``compete_pools``)."""
 
     def step(self, h: Tensor, delta: TopologyDelta, cache: LayerCache) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """:meth:`LearnedTopology.forward <sheafgnn.nn.topology.LearnedTopology.forward>` for the new destinations of
@@ -104,14 +104,15 @@ class TopologyStep:
             kernel = cpu_kernels.stream_keys()
         if kernel is None:
             return self.queries_and_keys_reference(h, delta, cache)
-        return kernel(h, cache.state.data, delta.previous_row, delta.no_previous, delta.num_rows, query, key,
-                      key_previous)
+        q, key = kernel(h, cache.state.data, delta.previous_row, delta.no_previous, delta.num_rows, query, key,
+                        key_previous)
+        return self.query_norm(q), self.key_norm(key)  # QK-norm: two launches, not worth a kernel
 
     def queries_and_keys_reference(self, h: Tensor, delta: TopologyDelta, cache: LayerCache) -> tuple[Tensor, Tensor]:
         """:meth:`queries_and_keys` as PyTorch ops."""
         key = self.key(h[: delta.num_rows])  # (rows, r)
         key[: delta.num_tokens].add_(self.key_previous(self._previous_states(delta, cache)))
-        return self.query(h), key
+        return self.query_norm(self.query(h)), self.key_norm(key)
 
     @staticmethod
     def _previous_states(delta: TopologyDelta, cache: LayerCache) -> Tensor:
