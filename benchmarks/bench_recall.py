@@ -248,9 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     out, models = Path(args.out), tuple(args.models)
     budget, sizes = (QUICK, QUICK_SIZES) if args.quick else (BUDGET, SIZES)
     out.mkdir(parents=True, exist_ok=True)
-    if args.report:  # a sweep not run to its end has no best rates yet
-        best = json.loads((out / "rates.json").read_text())["best"] if (out / "rates.json").exists() else {}
-    else:
+    if not args.report:
         # Every later stage trains at the sweep's rates (its runs are reused once done); identity needs sheaf's.
         swept = models if "sheaf" in models or "identity" not in args.stages else ("sheaf", *models)
         print("== sweep ==", flush=True)
@@ -262,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         raise SystemExit(f"bench_recall: no finished run in {out / 'runs'}")
     write_json(out / "summary.json", rows)
-    text = markdown(rows, best)
+    # every model's swept rate, this run's and earlier ones' (a sweep not run to its end has none yet)
+    text = markdown(rows, json.loads((out / "rates.json").read_text())["best"] if (out / "rates.json").exists() else {})
     for name, fig in curves(out).items():
         save_figure(fig, out / name, dpi=120)
         text += f"\n![{name}]({name})\n"
