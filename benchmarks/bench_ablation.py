@@ -6,6 +6,9 @@ variants with one part changed, each at every seed of ``--seeds``, on the same t
     ssm                     the gluing off (the ssm ablation at the same width): what the gluing buys
     ssm_matched             the gluing off at the full model's parameter count (a wider ssm, as ``sheafgnn
                             compare`` matches it): what the gluing buys against the same parameters
+    ssm_headdim_8           the ssm at the same width with SSM head dimension 8 (4 times the heads): ``matched_options``
+                            gives the matched ssm the largest divisor of 32 that divides expand * d_model (8 at its
+                            d_model 260), so this separates what its heads buy from what its parameters buy
     no_<type>               a patch type of the default site (its nodes and every edge touching them); types
                             with no nodes in the default sites (topic: no topic model) are listed, not run
     no_content_proposals    the content-addressed proposals (topology.content_blocks 0)
@@ -14,6 +17,8 @@ variants with one part changed, each at every seed of ``--seeds``, on the same t
     identity_maps           restriction maps fixed to the identity (gluing.map_kind identity)
     separate_patch_ssm      the patch chains with an SSM of their own (ssm.shared false)
     experts_per_type        one expert per node type (experts.shared false)
+    headdim_8, headdim_16   the SSM's head dimension P (default 32): expand * d_model / P heads, each with its own
+                            decay and step
     gluing_into_outputs     the earlier design: outputs keep their states and R reads them (gluing.mode outputs,
                             with the pool's and the broadcast's linears that it needs)
     pool_loss               the auxiliary pool-read loss switched the other way (topology.pool_loss_weight 1 or 0)
@@ -75,7 +80,9 @@ def variants(d_model: int, patch_types: list[str]) -> dict[str, dict]:
     matched = matched_options(("ssm",), model, 256, n_heads=4, window=256)[0]["ssm"]  # byte vocabulary
     out = {"full": {"model": "sheaf", "model_config": model, "site": {}},
            "ssm": {"model": "ssm", "model_config": model, "site": {"patch_types": []}},
-           "ssm_matched": {"model": "ssm", "model_config": matched, "site": {"patch_types": []}}}
+           "ssm_matched": {"model": "ssm", "model_config": matched, "site": {"patch_types": []}},
+           "ssm_headdim_8": {"model": "ssm", "model_config": {**model, "ssm": {"headdim": 8}},
+                             "site": {"patch_types": []}}}
     for patch_type in patch_types:
         site = {"patch_types": [p for p in default.site.patch_types if p != patch_type]}
         out[f"no_{patch_type}"] = {"model": "sheaf", "model_config": model, "site": site}
@@ -83,6 +90,8 @@ def variants(d_model: int, patch_types: list[str]) -> dict[str, dict]:
                "no_random_proposals": {"topology": {"random_proposals": 0}},
                "qk_norm": {"topology": {"qk_norm": not default.topology.qk_norm}},
                "identity_maps": {"gluing": {"map_kind": "identity"}},
+               "headdim_8": {"ssm": {"headdim": 8}},
+               "headdim_16": {"ssm": {"headdim": 16}},
                "separate_patch_ssm": {"ssm": {"shared": not default.ssm.shared}},
                "experts_per_type": {"experts": {"shared": not default.experts.shared}},
                "gluing_into_outputs": {"gluing": {"mode": "outputs", "projections": True}},
