@@ -88,7 +88,7 @@ def _long_result() -> str:
     """Where the committed 8.4M-token comparison stands, or that it is not in this checkout."""
     if not LONG_RESULT.is_file():
         return "The 8.4M-token comparison (benchmarks/results/text/) is not in this checkout."
-    from sheafgnn.experiments.compare import standing
+    from sheafgnn.experiments.compare_report import standing
 
     report = json.loads(LONG_RESULT.read_text())
     return (f"At {report['config']['tokens']:,} tokens per model (benchmarks/results/text/seed0/compare.json): "
@@ -96,7 +96,8 @@ def _long_result() -> str:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from sheafgnn.experiments.compare import main_compare, standing
+    from sheafgnn.experiments.compare import main_compare
+    from sheafgnn.experiments.compare_report import standing
 
     if args.tokens < args.context:
         raise ValueError(f"--tokens ({args.tokens}) must be at least --context ({args.context}): "

@@ -12,12 +12,12 @@ from sheafgnn.experiments.compare import (
     DEFAULT_MODELS,
     CompareConfig,
     main_compare,
-    markdown,
     parse_compare_args,
     run_compare,
     speed_ratios,
     sweep_one,
 )
+from sheafgnn.experiments.compare_report import at_equal_seconds, markdown
 from sheafgnn.experiments.recurrence import bucket_names
 from sheafgnn.lm import MODEL_KINDS, matched_options
 from sheafgnn.memory import PeakMemory, heap_stats, resident_bytes
@@ -137,8 +137,21 @@ def test_run_compare_quick(corpus, tmp_path):
     assert saved["caps"] == {"time_cap_s": 30.0, "memory_cap_gb": 8.0}
     text = (tmp_path / "compare.md").read_text()
     assert "| sheaf |" in text and "Caps, the same for every model" in text and "VmHWM" in text
-    assert "by the distance to the previous occurrence" in text
+    assert "by the distance to the previous occurrence" in text and "## At equal tokens and at equal seconds" in text
     assert markdown(report).startswith("# sheafgnn compare")
+
+
+def test_at_equal_seconds_reads_each_curve_at_the_first_finish():
+    fast = {"curve": [{"tokens": 100, "elapsed_s": 10.0, "val_bpb": 3.0}, {"tokens": 200, "elapsed_s": 20.0,
+                                                                          "val_bpb": 2.0}]}
+    slow = {"curve": [{"tokens": 100, "elapsed_s": 15.0, "val_bpb": 2.8}, {"tokens": 200, "elapsed_s": 30.0,
+                                                                          "val_bpb": 1.6}]}
+    late = {"curve": [{"tokens": 200, "elapsed_s": 45.0, "val_bpb": 1.5}]}  # one validation, after the first finish
+    seconds, at = at_equal_seconds({"fast": fast, "slow": slow, "late": late})
+    assert seconds == 20.0
+    assert at["fast"] == {"tokens": 200, "val_bpb": 2.0}  # the first to finish: its last validation
+    assert at["slow"]["tokens"] == pytest.approx(100 + 100 / 3) and at["slow"]["val_bpb"] == pytest.approx(2.4)
+    assert at["late"] is None
 
 
 def test_lr_sweep_trains_each_model_at_its_best_lr(corpus, tmp_path):

@@ -57,8 +57,9 @@ from tqdm import tqdm
 
 from sheafgnn.config import ConfigFile
 from sheafgnn.data import WindowDataset, scored_batches, train_validation_text
-from sheafgnn.experiments.recurrence import bucket_names, loss_by_distance
-from sheafgnn.experiments.report import config_from_args, pyplot, report_parser, run_report_command, write_report
+from sheafgnn.experiments.compare_report import figures, markdown
+from sheafgnn.experiments.recurrence import loss_by_distance
+from sheafgnn.experiments.report import config_from_args, report_parser, run_report_command, write_report
 from sheafgnn.lm import MODEL_KINDS, build_model, matched_options, print_parameter_counts
 from sheafgnn.memory import PeakMemory, tune_cpu
 from sheafgnn.model import SheafStateConfig
@@ -67,7 +68,6 @@ from sheafgnn.train import TrainConfig, build_datasets, evaluate, resolve_device
 
 SWEEP = (1024, 2048, 4096, 8192, 16384, 32768)
 RATIO_AT = (16384, 32768)  # context lengths of the sheaf vs dense speed ratios
-MIB = 1 << 20
 BASELINE_SITE = {"patch_types": []}  # dense, local and ssm read tokens only: no patches to build
 # The attention baselines with the short conv every Zoology baseline has; plain dense and local on request.
 DEFAULT_MODELS = ("sheaf", "dense_conv", "local_conv", "ssm")
@@ -415,157 +415,9 @@ def run_compare(config: CompareConfig) -> dict:
               "memory_method": next(iter(training.values()))["memory_method"],
               "device": str(resolve_device(config.device)),
               "threads": config.num_threads or torch.get_num_threads(), "cpu_count": os.cpu_count()}
-    report["files"] = write_report(report, out, "compare", markdown(report), _figures(report))
+    report["files"] = write_report(report, out, "compare", markdown(report), figures(report))
     print("\n" + markdown(report))
     return report
-
-
-def standing(training: dict) -> str:
-    """One line: the models from the lowest validation bits per byte up, each with its gap to the first."""
-    ranked = sorted(training.items(), key=lambda item: item[1]["val_bpb"])
-    best = ranked[0][1]["val_bpb"]
-    rest = ", ".join(f"{kind} {r['val_bpb']:.4f} (+{r['val_bpb'] - best:.4f})" for kind, r in ranked[1:])
-    return f"Ahead at this budget: **{ranked[0][0]}** ({best:.4f} bits/byte)" + (f"; then {rest}." if rest else ".")
-
-
-def _mib(value) -> str:
-    return "-" if value is None else f"{value / MIB:,.0f}"
-
-
-def _by_distance_table(training: dict, cfg: dict) -> list[str]:
-    """Validation bits per token by the distance to the previous occurrence of each position's 4-gram
-    (:mod:`sheafgnn.experiments.recurrence`), a column per model."""
-    kinds = [k for k, r in training.items() if "by_distance" in r]
-    if not kinds:
-        return []
-    lines = ["", f"## Where the models differ: validation bits per token by the distance to the previous "
-             f"occurrence of the context's last 4 tokens ({cfg['eval_batches'] * cfg['batch_size']} windows)", "",
-             "| distance (tokens) | positions | " + " | ".join(kinds) + " |", "|---|---:|" + "---:|" * len(kinds)]
-    for name in [*bucket_names(), "all"]:
-        first = training[kinds[0]]["by_distance"][name]
-        cells = [training[k]["by_distance"][name]["bits_per_token"] for k in kinds]
-        lines.append(f"| {name} | {first['tokens']:,} | "
-                     + " | ".join("-" if c is None else f"{c:.4f}" for c in cells) + " |")
-    return lines
-
-
-def markdown(report: dict) -> str:
-    """The report as Markdown: training table, sweep table, ratios, caps and method."""
-    training, sweep, caps = report["training"], report["sweep"], report["caps"]
-    cfg = report["config"]
-    lines = ["# sheafgnn compare\n",
-             f"{cfg['tokens']:,} training tokens per model, context {cfg['context']}, batch {cfg['batch_size']}, "
-             f"seed {cfg['seed']}, corpus `{cfg['corpus']}` (byte tokenizer), device {report['device']}, "
-             f"{report['threads']} thread(s) on {report['cpu_count']} CPU(s).\n",
-             "| model | d_model | params | peak lr | val bits/byte | training objective, last 10% of steps (nats) "
-             "| loss on train / val windows (nats) | train tok/s | infer tok/s | infer tok/s (with site) "
-             "| peak train RSS (MiB) | peak train extra (MiB) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for kind, r in training.items():
-        peak = r.get("train_peak_rss_bytes", r.get("train_peak_bytes"))
-        lines.append(f"| {kind} | {r['options']['d_model']} | {r['params']:,} | {r['lr']:g} | {r['val_bpb']:.4f} "
-                     f"| {r['train_loss_smoothed']:.4f} | {r['train_windows_loss']:.4f} / "
-                     f"{r['validation_windows_loss']:.4f} "
-                     f"| {r['train_tokens_per_s']:,.0f} | {r['infer_tokens_per_s']:,.0f} "
-                     f"| {r['infer_tokens_per_s_with_site']:,.0f} | {_mib(peak)} "
-                     f"| {_mib(r['train_peak_extra_bytes'])} |")
-    lines += ["", standing(training), "",
-              "The training objective is what the optimizer minimised: for sheaf, the next-token loss plus "
-              "its auxiliary losses (each block's pool read, the experts' balance), so it is not comparable "
-              "with a validation loss. The loss on train / val windows is one measure for both texts: the "
-              f"trained model's next-token loss on {cfg['eval_batches'] * cfg['batch_size']} windows spread evenly "
-              "over each (the generalisation gap)."]
-    if report["lr_sweep"]:
-        rates = cfg["lr_sweep"]
-        lines += ["", f"## Learning-rate sweep: validation bits/byte after "
-                  f"{next(iter(report['lr_sweep'].values()))[0]['tokens']:,} tokens (the best trains in full)", "",
-                  "| model | " + " | ".join(f"lr {lr:g}" for lr in rates) + " |",
-                  "|---|" + "---:|" * len(rates)]
-        for kind, rows in report["lr_sweep"].items():
-            lines.append(f"| {kind} | " + " | ".join(f"{row['val_bpb']:.4f}" for row in rows) + " |")
-    lines += _by_distance_table(training, cfg)
-    kinds = list(sweep)
-    lines += ["", "## Context sweep: one window, site build + forward + backward", "",
-              "Forward+backward seconds / peak extra MiB (site build seconds in brackets).", "",
-              "| n | " + " | ".join(kinds) + " |", "|---:|" + "---:|" * len(kinds)]
-    for i, n in enumerate(cfg["sweep"]):
-        cells = []
-        for kind in kinds:
-            p = sweep[kind][i]
-            cells.append("skipped" if p["skipped"] else
-                         f"{p['fwd_bwd_s']:.2f} s / {_mib(p['peak_extra_bytes'])} MiB ({p['build_s']:.2f})"
-                         + (" over cap" if p.get("over_cap") else ""))
-        lines.append(f"| {n} | " + " | ".join(cells) + " |")
-    lines += ["", f"Caps, the same for every model: forward+backward over {caps['time_cap_s']:g} s or peak extra "
-              f"memory over {caps['memory_cap_gb']:g} GiB at some n skips the larger n.", "",
-              "## Sheaf vs dense", ""]
-    if not report["ratios"]:
-        lines.append("No ratio: the sweep reached neither 16k nor 32k for both models.")
-    for n, r in report["ratios"].items():
-        if r["time_ratio"] is None:
-            bound = r.get("time_ratio_at_least")
-            lines.append(f"- n = {n}: {r['dense_model']} {r['dense']}; sheaf {r['sheaf_fwd_bwd_s']:.2f} s"
-                         + (f", so dense/sheaf time >= {bound:.2f}x" if bound else ""))
-        else:
-            lines.append(f"- n = {n}: sheaf forward+backward {r['time_ratio']:.2f}x faster than {r['dense_model']} "
-                         f"({r['sheaf_fwd_bwd_s']:.2f} s vs {r['dense_fwd_bwd_s']:.2f} s; "
-                         f"{r['total_time_ratio']:.2f}x with site building), peak extra memory "
-                         f"{r['memory_ratio']:.3f} of dense's ({_mib(r['sheaf_peak_extra_bytes'])} vs "
-                         f"{_mib(r['dense_peak_extra_bytes'])} MiB)")
-    if not cfg["isolate"]:
-        where = ("this one process, one after another (--in-process; free memory is trimmed before each phase, "
-                 "but what earlier models left cached can make later models' extra memory read low).")
-    elif cfg.get("jobs", 1) > 1:
-        where = (f"its own fresh process, {cfg['jobs']} models training at once (their training tokens/s share the "
-                 "machine); the context sweep ran one model at a time.")
-    else:
-        where = "its own fresh process."
-    lines += ["", f"Memory: {report['memory_method']}; 'extra' is the peak minus the resident set at the start of "
-              f"the phase (see `sheafgnn.experiments.compare`). Each model ran in {where}"]
-    return "\n".join(lines) + "\n"
-
-
-def _figures(report: dict) -> dict:
-    """The report's figures by file name: training.png (bits per byte, tokens/s, memory), curves.png
-    (validation bits per byte against training tokens and seconds), sweep.png."""
-    plt = pyplot()
-    training, sweep = report["training"], report["sweep"]
-    kinds = list(training)
-    training_fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    axes[0].bar(kinds, [training[k]["val_bpb"] for k in kinds], color="tab:blue")
-    axes[0].set_title("validation bits per byte")
-    x = range(len(kinds))
-    axes[1].bar([i - 0.2 for i in x], [training[k]["train_tokens_per_s"] for k in kinds], 0.4, label="train")
-    axes[1].bar([i + 0.2 for i in x], [training[k]["infer_tokens_per_s"] for k in kinds], 0.4, label="inference")
-    axes[1].set_xticks(list(x), kinds)
-    axes[1].set_title("tokens / s")
-    axes[1].legend()
-    axes[2].bar(kinds, [training[k]["train_peak_extra_bytes"] / MIB for k in kinds], color="tab:red")
-    axes[2].set_title("peak extra memory in training (MiB)")
-
-    sweep_fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for kind, points in sweep.items():
-        done = [p for p in points if not p["skipped"]]
-        axes[0].plot([p["n"] for p in done], [p["fwd_bwd_s"] for p in done], "o-", label=kind)
-        axes[1].plot([p["n"] for p in done], [p["peak_extra_bytes"] / MIB for p in done], "o-", label=kind)
-    axes[0].axhline(report["caps"]["time_cap_s"], color="grey", ls="--", lw=1, label="time cap")
-    for ax, title in zip(axes, ("forward+backward (s)", "peak extra memory (MiB)")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("context length n")
-        ax.set_title(title)
-        ax.legend()
-    curves_fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for kind, r in training.items():
-        label = f"{kind} (lr {r['lr']:g})"
-        axes[0].plot([p["tokens"] for p in r["curve"]], [p["val_bpb"] for p in r["curve"]], "o-", label=label)
-        axes[1].plot([p["elapsed_s"] for p in r["curve"]], [p["val_bpb"] for p in r["curve"]], "o-", label=label)
-    for ax, xlabel in zip(axes, ("training tokens", "training seconds (validation included)")):
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("validation bits per byte")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    return {"training.png": training_fig, "curves.png": curves_fig, "sweep.png": sweep_fig}
 
 
 # ---------------------------------------------------------------------------
