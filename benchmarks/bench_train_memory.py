@@ -17,13 +17,16 @@ default sheaf model, 2 layers; dense matched to its parameters within 10%). Ever
 Three runs: ``sheaf`` (as a user runs it: the model bounds oneDNN's primitive
 cache itself, :func:`sheafgnn.memory.bound_onednn_cache`), ``sheaf_onednn_1024``
 (the cache at oneDNN's default size, set in the environment, which the model
-leaves alone) and ``dense``. It writes ``train_memory.json`` (rows per run, and
-the growth of each figure from the first record to the last) and
-``train_memory.png``.
+leaves alone) and ``dense`` (``--runs`` picks some). It writes ``train_memory.json``
+(rows per run; the growth of each figure from the first record to the last;
+each run's peak resident set and how far the resident set rose after the
+warm-up, from the record at step ``--warmup`` to the highest one after it; and
+sheaf's peak over dense's) and ``train_memory.png``.
 
 Usage::
 
-    python benchmarks/bench_train_memory.py [--out benchmarks/results] [--steps 60] [--every 5] [--threads 1]
+    python benchmarks/bench_train_memory.py [--out benchmarks/results] [--steps 60] [--every 5] [--warmup 20]
+        [--threads 1] [--runs sheaf dense]
 """
 
 from __future__ import annotations
@@ -92,15 +95,30 @@ def growth(rows: list[dict]) -> dict:
             if key not in ("step", "elapsed_s") and rows[0][key] is not None}
 
 
+def after_warmup(rows: list[dict], warmup: int) -> dict:
+    """The peak resident set, and its rise after the warm-up: the highest record after step ``warmup`` minus
+    the first record at or after it (0 when the resident set stays flat; ``None`` if no record is that late)."""
+    late = [r for r in rows if r["step"] >= warmup]
+    out = {"peak_rss_bytes": max(r["rss_bytes"] for r in rows), "warmup_step": late[0]["step"] if late else None,
+           "rss_rise_after_warmup_bytes": None, "rss_rise_after_warmup": None}
+    if late:
+        rise = max(r["rss_bytes"] for r in late) - late[0]["rss_bytes"]
+        out.update(rss_rise_after_warmup_bytes=rise, rss_rise_after_warmup=rise / late[0]["rss_bytes"])
+    return out
+
+
 def plot(result: dict, path: Path) -> None:
-    fig, axes = pyplot().subplots(1, len(RUNS), figsize=(15, 4), sharey=True)
-    for ax, name in zip(axes, RUNS):
+    names = list(result["runs"])
+    fig, axes = pyplot().subplots(1, len(names), figsize=(5 * len(names), 4), sharey=True, squeeze=False)
+    axes = axes[0]
+    for ax, name in zip(axes, names):
         rows = result["runs"][name]["rows"]
         steps = [r["step"] for r in rows]
         for key, label in (("rss_bytes", "resident set"), ("heap_bytes", "glibc heap"),
                            ("in_use_bytes", "heap in use"), ("live_tensor_bytes", "live tensors")):
             if rows[0].get(key) is not None:
                 ax.plot(steps, [r[key] / 2**20 for r in rows], label=label)
+        ax.axvline(result["warmup"], color="grey", ls="--", lw=0.8)
         ax.set_title(name)
         ax.set_xlabel("training step")
         ax.grid(True, alpha=0.3)
@@ -115,6 +133,8 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--every", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=20, help="the step after which the resident set should be flat")
+    parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS))
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1)
@@ -125,12 +145,15 @@ def main() -> None:
         print(json.dumps(train_here(args.one, args.steps, args.every, args.context, args.batch_size)))
         return
     result = {"machine": {"platform": platform.platform(), "threads": args.threads, "torch": torch.__version__},
-              "steps": args.steps, "context": args.context, "batch_size": args.batch_size, "runs": {}}
-    for name, (kind, env) in RUNS.items():
+              "steps": args.steps, "context": args.context, "batch_size": args.batch_size, "warmup": args.warmup,
+              "runs": {}}
+    for name in args.runs:
+        kind, env = RUNS[name]
         command = [sys.executable, __file__, "--one", kind, *sys.argv[1:]]
         out = subprocess.run(command, check=True, capture_output=True, text=True, env={**os.environ, **env}).stdout
         rows = json.loads(out.splitlines()[-1])
-        result["runs"][name] = {"kind": kind, "environment": env, "rows": rows, "growth": growth(rows)}
+        result["runs"][name] = {"kind": kind, "environment": env, "rows": rows, "growth": growth(rows),
+                                **after_warmup(rows, args.warmup)}
         first, last = rows[0], rows[-1]
         print(f"  {name:<17} step {first['step']} -> {last['step']}: RSS {first['rss_bytes'] / 2**20:,.0f} -> "
               f"{last['rss_bytes'] / 2**20:,.0f} MiB, live tensors {first['live_tensor_bytes'] / 2**20:,.0f} -> "
@@ -138,6 +161,15 @@ def main() -> None:
               + (f", heap in use {first['in_use_bytes'] / 2**20:,.0f} -> {last['in_use_bytes'] / 2**20:,.0f} MiB, "
                  f"free in it {first['free_bytes'] / 2**20:,.0f} -> {last['free_bytes'] / 2**20:,.0f} MiB"
                  if "free_bytes" in first else ""), flush=True)
+    runs = result["runs"]
+    if "sheaf" in runs and "dense" in runs:
+        result["sheaf_over_dense_peak_rss"] = runs["sheaf"]["peak_rss_bytes"] / runs["dense"]["peak_rss_bytes"]
+    for name, run in runs.items():
+        rise = run["rss_rise_after_warmup_bytes"]
+        rose = "has no record" if rise is None else f"rose {rise / 2**20:,.1f} MiB ({run['rss_rise_after_warmup']:.1%})"
+        print(f"  {name:<17} peak RSS {run['peak_rss_bytes'] / 2**20:,.0f} MiB, after step {run['warmup_step']} {rose}")
+    if "sheaf_over_dense_peak_rss" in result:
+        print(f"  sheaf / dense peak RSS: {result['sheaf_over_dense_peak_rss']:.2f}x")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "train_memory.json").write_text(json.dumps(result, indent=2))
