@@ -24,6 +24,8 @@ variants with one part changed, each at every seed of ``--seeds``, on the same t
     pool_loss               the auxiliary pool-read loss switched the other way (topology.pool_loss_weight 1 or 0)
     projections             the D x D linears of the pool and the broadcast switched the other way
                             (gluing.projections)
+    explore                 Gumbel-top-k in training (topology.explore 1; if the default explores, 0): the kept
+                            candidates sampled from the softmax of their scores instead of the top k
     rezero_gate             the broadcast gate starting at 0 and learning at the weights' rate (gluing.gate_init 0,
                             gate_scale 1: ReZero); if the default is that, at 0.1 and 10 times the rate
 
@@ -96,6 +98,7 @@ def variants(d_model: int, patch_types: list[str]) -> dict[str, dict]:
                "experts_per_type": {"experts": {"shared": not default.experts.shared}},
                "gluing_into_outputs": {"gluing": {"mode": "outputs", "projections": True}},
                "pool_loss": {"topology": {"pool_loss_weight": 0.0 if default.topology.pool_loss_weight else 1.0}},
+               "explore": {"topology": {"explore": 0.0 if default.topology.explore else 1.0}},
                "projections": {"gluing": {"projections": not default.gluing.projections}},
                "rezero_gate": {"gluing": {"gate_init": 0.0, "gate_scale": 1.0} if default.gluing.gate_init
                                else {"gate_init": 0.1, "gate_scale": 10.0}}}

@@ -271,7 +271,7 @@ def test_topology_input_and_repr(full_config):
     assert isinstance(topo, LearnedTopology) and topo.sink.numel() == len(FLAT_TYPES)
     assert str(topo) == (f"LearnedTopology(32, num_edge_types={len(GLUE_EDGES)}, k=8, qk_norm=True, content_blocks=16, "
                          "block_size=4, random_proposals=4, block_scorer=False, block_summary='bounds', "
-                         "sink_threshold=False)")
+                         "sink_threshold=False, explore=0.0)")
     with pytest.raises(ValueError, match="block_summary must be one of"):
         LearnedTopology(32, 3, 2, k=1, content_type=1, random_type=2, block_summary="max")
     with pytest.raises(ValueError, match="k, rank and block_size"):
@@ -467,3 +467,60 @@ def test_keep_cost_is_the_expected_kept_edges_per_node(full_config):
     assert all((a - b).sum() < 0 for a, b in zip(sink_grad, plain_grad))  # descent raises the sinks
     with pytest.raises(ValueError, match="keep_cost"):
         small_model_config(full_config, keep_cost=-1.0)
+
+
+def test_explore_samples_the_kept_set_in_training_only():
+    """Gumbel-top-k: in training the kept k are a sample from softmax(score / explore) without replacement, their
+    weights the softmax of the true scores; evaluation keeps the top k; the global generator is left alone."""
+    topo = LearnedTopology(8, 3, 2, k=2, content_type=1, random_type=2, explore=2.0)
+    score = torch.randn(256, 6).masked_fill(torch.arange(6) == 5, float("-inf")).requires_grad_()  # col 5: padding
+    sink = torch.zeros(256, 1)
+    plain = LearnedTopology(8, 3, 2, k=2, content_type=1, random_type=2)
+    for a, b in zip(topo.eval().compete_dense(score, sink), plain.compete_dense(score, sink)):
+        assert torch.equal(a, b)  # evaluation: the top k, no noise
+    topo.train()
+    rng = torch.get_rng_state()
+    top, pick, weight = topo.compete_dense(score, sink)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert torch.equal(top, score.gather(1, pick)) and not (pick == 5).any()  # true scores, never the padding
+    torch.testing.assert_close(weight, torch.cat([top, sink], 1).softmax(1)[:, :-1])
+    assert (pick != score.topk(2).indices).any(1).float().mean() > 0.3  # the sample often leaves the top 2
+    weight.sum().backward()
+    kept = torch.zeros_like(score, dtype=torch.bool).scatter_(1, pick, True)
+    assert (score.grad[~kept] == 0).all() and (score.grad[kept] != 0).all()
+    # the first pick is distributed as softmax(score / explore) (Gumbel-max)
+    row = torch.tensor([[2.0, 0.0, -2.0, float("-inf")]]).expand(20000, 4)
+    first = topo.compete_dense(row, torch.zeros(20000, 1))[1][:, 0]
+    torch.testing.assert_close(torch.bincount(first, minlength=4).float() / 20000, (row[0] / 2.0).softmax(0),
+                               atol=0.015, rtol=0)
+    # the listed competition samples the same way: k per destination, weights from the true scores
+    dst = torch.arange(64).repeat_interleave(5)
+    edge_score = torch.randn(320)
+    keep, edge_weight = topo.compete_sparse(edge_score, dst, torch.zeros(64))
+    assert torch.equal(torch.bincount(dst[keep], minlength=64), torch.full((64,), 2))
+    assert (keep != plain.compete_sparse(edge_score, dst, torch.zeros(64))[0]).any()
+    kept_dst, kept_score = dst[keep], edge_score[keep]
+    logits = torch.cat([kept_score, torch.zeros(64)])
+    expected = logits.exp() / torch.zeros(64).index_add(0, torch.cat([kept_dst, torch.arange(64)]), logits.exp())[
+        torch.cat([kept_dst, torch.arange(64)])]
+    torch.testing.assert_close(edge_weight, expected[:128])
+    with pytest.raises(ValueError, match="explore"):
+        LearnedTopology(8, 3, 2, k=2, content_type=1, random_type=2, explore=-1.0)
+
+
+def test_explore_keeps_only_pool_members(full_config):
+    """In training with explore the kept edges are still members of each destination's (causal) pool."""
+    torch.manual_seed(0)
+    model = SheafStateLM(small_model_config(full_config, topology={"explore": 1.0})).train()
+    data = build_site((PROSE + CODE) * 2, model.config.site_config)
+    assert model.blocks[0].topology.explore == 1.0
+    _, infos, _ = model._forward(data, Extras(candidates=True))
+    for info in infos:
+        sel = info["selection"]
+        pool = set(map(tuple, sel.candidates[0].t().tolist()))
+        assert set(map(tuple, sel.edge_index.t().tolist())) <= pool
+    top_k = _selection(model, data)[0].edge_index  # evaluation: the top k
+    assert set(map(tuple, top_k.t().tolist())) != set(map(tuple, infos[0]["selection"].edge_index.t().tolist()))
+    model.train()
+    model(data).logsumexp(-1).mean().backward()  # the sampled selection trains like the top k
+    assert all(p.grad is not None for p in model.blocks[0].topology.query.parameters())

@@ -104,15 +104,18 @@ class TopologyConfig(ConfigFile):
     block_scorer: bool = False  # content blocks scored by a scorer of their own, trained by block_distillation
     block_loss_weight: float = 1.0  # the block scorer's distillation loss (its only training signal)
     sink_threshold: bool = False  # keep only the candidates that outscore the destination's "nothing" logit
+    # Gumbel-top-k in training (0: off): the kept k sampled from softmax(score / explore), so that a candidate
+    explore: float = 0.0  # ranked just below the k is still kept at times, and gets a gradient
     pool_loss_weight: float = 0.0  # next-token loss read from each block's whole pools (trains the choice; 0: off)
     keep_cost: float = 0.0  # this weight times the expected kept edges per node (sigmoid(s_e - s_sink))
 
     def __post_init__(self) -> None:
         check_topology("TopologyConfig", self.k, self.rank, self.content_blocks, self.block_size,
                        self.random_proposals, self.block_summary)
-        if min(self.pool_loss_weight, self.block_loss_weight, self.keep_cost) < 0:
-            raise ValueError(f"TopologyConfig: pool_loss_weight, block_loss_weight and keep_cost must be >= 0 "
-                             f"(got {self.pool_loss_weight}, {self.block_loss_weight} and {self.keep_cost})")
+        if min(self.pool_loss_weight, self.block_loss_weight, self.keep_cost, self.explore) < 0:
+            raise ValueError(f"TopologyConfig: pool_loss_weight, block_loss_weight, keep_cost and explore must be "
+                             f">= 0 (got {self.pool_loss_weight}, {self.block_loss_weight}, {self.keep_cost} and "
+                             f"{self.explore})")
 
     def module(self, channels: int, num_edge_types: int, num_node_types: int, content_type: int,
                random_type: int) -> LearnedTopology:
@@ -121,7 +124,7 @@ class TopologyConfig(ConfigFile):
                                rank=self.rank, qk_norm=self.qk_norm, content_blocks=self.content_blocks,
                                block_size=self.block_size, random_proposals=self.random_proposals,
                                block_scorer=self.block_scorer, block_summary=self.block_summary,
-                               sink_threshold=self.sink_threshold)
+                               sink_threshold=self.sink_threshold, explore=self.explore)
 
 
 def topk_per_group(score: Tensor, group: Tensor, k: int) -> Tensor:
@@ -246,6 +249,10 @@ class LearnedTopology(TopologyStep, nn.Module):
             no edge; the weights are those of the softmax over all :math:`k` and the sink, zero for the
             others, which in training stay in the selection with a straight-through gradient
             (:meth:`_straight_through_zero`). (default: :obj:`False`)
+        explore (float, optional): in training, choose :math:`K(v)` by :math:`s_e + \tau g_e` with
+            :math:`g_e` Gumbel noise and :math:`\tau` = ``explore`` (Gumbel-top-k: a sample of :math:`k`
+            without replacement from :math:`\mathrm{softmax}(s / \tau)`); :math:`\alpha_e` stays the softmax of
+            the scores. Evaluation and the stream take the top :math:`k`. 0 switches it off. (default: :obj:`0`)
 
     Shapes:
         - **input:** node features :math:`(N, D)`, a :class:`TopologyInput`
@@ -260,7 +267,8 @@ class LearnedTopology(TopologyStep, nn.Module):
                  block_size: int = TopologyConfig.block_size, random_proposals: int = TopologyConfig.random_proposals,
                  seed: int = 0, block_scorer: bool = TopologyConfig.block_scorer,
                  block_summary: str = TopologyConfig.block_summary,
-                 sink_threshold: bool = TopologyConfig.sink_threshold) -> None:
+                 sink_threshold: bool = TopologyConfig.sink_threshold,
+                 explore: float = TopologyConfig.explore) -> None:
         # the defaults are TopologyConfig's: one place says what the default topology is
         super().__init__()
         name = self.__class__.__name__
@@ -271,6 +279,9 @@ class LearnedTopology(TopologyStep, nn.Module):
         self.channels, self.num_edge_types, self.k, self.rank, self.qk_norm = channels, num_edge_types, k, rank, qk_norm
         self.content_blocks, self.block_size, self.block_summary = content_blocks, block_size, block_summary
         self.random_proposals, self.seed, self.sink_threshold = random_proposals, seed, sink_threshold
+        if explore < 0:
+            raise ValueError(f"{name}: explore must be >= 0 (got {explore})")
+        self.explore, self._noise = explore, None  # the noise's own generator: it leaves the global one alone
         self.content_type, self.random_type = content_type, random_type
         self.query = nn.Linear(channels, rank, bias=False)
         self.key = nn.Linear(channels, rank, bias=False)
@@ -324,7 +335,7 @@ class LearnedTopology(TopologyStep, nn.Module):
         Returns:
             keep (E,) the k best of each destination, and the softmax weights (E_kept,) of the kept ones.
         """
-        keep = topk_per_group(score, dst, self.k)
+        keep = topk_per_group(self._ranking(score), dst, self.k)
         num_dst = sink.numel()
         logits = torch.cat([score[keep], sink])
         index = torch.cat([dst[keep], torch.arange(num_dst, device=dst.device)])
@@ -336,6 +347,17 @@ class LearnedTopology(TopologyStep, nn.Module):
             else:
                 keep, weight = keep.masked_scatter(keep, ~below), weight[~below]
         return keep, weight
+
+    def _ranking(self, score: Tensor) -> Tensor:
+        """What the kept candidates are chosen by: the scores, or in training with ``explore`` the detached
+        scores plus ``explore`` times Gumbel noise (-inf stays -inf)."""
+        if not (self.training and self.explore):
+            return score
+        if self._noise is None or self._noise.device != score.device:
+            self._noise = torch.Generator(device=score.device).manual_seed(self.seed + 2)
+        uniform = torch.rand(score.shape, generator=self._noise, device=score.device, dtype=score.dtype)
+        gumbel = -torch.log(-torch.log(uniform.clamp(min=torch.finfo(score.dtype).tiny)))
+        return score.detach() + self.explore * gumbel
 
     def compete_dense(self, score: Tensor, sink: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The competition of destinations whose pools are rows of a dense (M, P) score matrix.
@@ -350,8 +372,10 @@ class LearnedTopology(TopologyStep, nn.Module):
             the kept scores (M, k) (-inf where a pool has fewer), their columns (M, k), and
             their softmax weights (M, k) (0 where -inf).
         """
-        top, pick = score.sort(dim=1, descending=True, stable=True)
-        top, pick = top[:, : self.k], pick[:, : self.k]  # (M, k)
+        ranking = self._ranking(score)
+        top, pick = ranking.sort(dim=1, descending=True, stable=True)
+        pick = pick[:, : self.k]  # (M, k)
+        top = top[:, : self.k] if ranking is score else score.gather(1, pick)
         weight = torch.cat([top, sink], 1).softmax(1)[:, :-1]  # (M, k): -inf -> 0
         if self.sink_threshold:
             below = top <= sink  # (M, k)
@@ -573,4 +597,4 @@ class LearnedTopology(TopologyStep, nn.Module):
         return (f"{self.__class__.__name__}({self.channels}, num_edge_types={self.num_edge_types}, k={self.k}, "
                 f"qk_norm={self.qk_norm}, content_blocks={self.content_blocks}, block_size={self.block_size}, "
                 f"random_proposals={self.random_proposals}, block_scorer={self.block_scorer}, "
-                f"block_summary={self.block_summary!r}, sink_threshold={self.sink_threshold})")
+                f"block_summary={self.block_summary!r}, sink_threshold={self.sink_threshold}, explore={self.explore})")
