@@ -14,10 +14,12 @@ default sheaf model, 2 layers; dense matched to its parameters within 10%). Ever
   it grows while the live memory does not), ``mmap_bytes``;
 - ``elapsed_s`` since the first step.
 
-Three runs: ``sheaf`` (as a user runs it: the model bounds oneDNN's primitive
-cache itself, :func:`sheafgnn.memory.bound_onednn_cache`), ``sheaf_onednn_1024``
-(the cache at oneDNN's default size, set in the environment, which the model
-leaves alone) and ``dense`` (``--runs`` picks some). It writes ``train_memory.json``
+Every run first calls :func:`sheafgnn.memory.tune_cpu`, as ``sheafgnn.train.train``
+does: glibc's thresholds and oneDNN's primitive cache bound
+(:func:`sheafgnn.memory.bound_onednn_cache`). Three runs: ``sheaf``,
+``sheaf_onednn_1024`` (the cache at oneDNN's default size, set in the
+environment, which ``tune_cpu`` leaves alone) and ``dense`` (``--runs`` picks
+some). It writes ``train_memory.json``
 (rows per run; the growth of each figure from the first record to the last;
 each run's peak resident set and how far the resident set rose after the
 warm-up, from the record at step ``--warmup`` to the highest one after it; and
@@ -47,7 +49,7 @@ from torch_geometric.loader import DataLoader
 from sheafgnn.data import WindowDataset, corpus_ids
 from sheafgnn.experiments.report import pyplot, save_figure
 from sheafgnn.lm import build_model, matched_options
-from sheafgnn.memory import heap_stats, resident_bytes
+from sheafgnn.memory import heap_stats, resident_bytes, tune_cpu
 from sheafgnn.model import SheafStateConfig
 from sheafgnn.optim import make_optimizer
 from sheafgnn.site import SiteBuilder, SiteConfig
@@ -70,6 +72,7 @@ def live_tensor_bytes() -> int:
 
 def train_here(kind: str, steps: int, every: int, context: int, batch_size: int) -> list[dict]:
     """Train one model ``steps`` steps in this process; a record every ``every`` steps (and the last)."""
+    tune_cpu()  # what the training loop does first
     options, _ = matched_options(KINDS, {"d_model": SheafStateConfig().d_model, "n_layers": 2}, 256, n_heads=4,
                                  window=256)
     site = {} if kind == "sheaf" else {"patch_types": []}
