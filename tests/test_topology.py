@@ -17,7 +17,7 @@ from sheafgnn.nn.proposals import (
     top_blocks,
 )
 from sheafgnn.nn.segment import HAS_TORCH_SCATTER, HAS_TORCH_SPARSE
-from sheafgnn.nn.topology import LearnedTopology, TopologyInput
+from sheafgnn.nn.topology import LearnedTopology, TopologyConfig, TopologyInput
 from sheafgnn.site import build_site
 from sheafgnn.site.flat import FLAT_TYPES, flatten_site
 from sheafgnn.site.schema import CONTENT_EDGE, GLUE_EDGES, RANDOM_EDGE
@@ -504,8 +504,10 @@ def test_explore_samples_the_kept_set_in_training_only():
     expected = logits.exp() / torch.zeros(64).index_add(0, torch.cat([kept_dst, torch.arange(64)]), logits.exp())[
         torch.cat([kept_dst, torch.arange(64)])]
     torch.testing.assert_close(edge_weight, expected[:128])
-    with pytest.raises(ValueError, match="explore"):
+    with pytest.raises(ValueError, match="explore must be >= 0"):
         LearnedTopology(8, 3, 2, k=2, content_type=1, random_type=2, explore=-1.0)
+    with pytest.raises(ValueError, match="explore must be >= 0"):
+        TopologyConfig(explore=-1.0)
 
 
 def test_explore_keeps_only_pool_members(full_config):

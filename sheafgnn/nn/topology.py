@@ -69,16 +69,16 @@ SINK_THRESHOLD_INIT = -4.0  # the "nothing" logit at init under sink_threshold
 
 
 def check_topology(owner: str, k: int, rank: int, content_blocks: int, block_size: int, random_proposals: int,
-                   block_summary: str) -> None:
+                   block_summary: str, explore: float) -> None:
     """The arguments :class:`LearnedTopology` takes, checked for it and for :class:`TopologyConfig` (``owner`` names
     the caller in the error)."""
     if block_summary not in BLOCK_SUMMARIES:
         raise ValueError(f"{owner}: block_summary must be one of {BLOCK_SUMMARIES} (got {block_summary!r})")
     if k < 1 or rank < 1 or block_size < 1:
         raise ValueError(f"{owner}: k, rank and block_size must be >= 1 (got {k}, {rank}, {block_size})")
-    if content_blocks < 0 or random_proposals < 0:
-        raise ValueError(f"{owner}: content_blocks and random_proposals must be >= 0 "
-                         f"(got {content_blocks} and {random_proposals})")
+    if min(content_blocks, random_proposals, explore) < 0:
+        raise ValueError(f"{owner}: content_blocks, random_proposals and explore must be >= 0 "
+                         f"(got {content_blocks}, {random_proposals} and {explore})")
 
 
 @dataclass
@@ -111,11 +111,10 @@ class TopologyConfig(ConfigFile):
 
     def __post_init__(self) -> None:
         check_topology("TopologyConfig", self.k, self.rank, self.content_blocks, self.block_size,
-                       self.random_proposals, self.block_summary)
-        if min(self.pool_loss_weight, self.block_loss_weight, self.keep_cost, self.explore) < 0:
-            raise ValueError(f"TopologyConfig: pool_loss_weight, block_loss_weight, keep_cost and explore must be "
-                             f">= 0 (got {self.pool_loss_weight}, {self.block_loss_weight}, {self.keep_cost} and "
-                             f"{self.explore})")
+                       self.random_proposals, self.block_summary, self.explore)
+        if min(self.pool_loss_weight, self.block_loss_weight, self.keep_cost) < 0:
+            raise ValueError(f"TopologyConfig: pool_loss_weight, block_loss_weight and keep_cost must be >= 0 "
+                             f"(got {self.pool_loss_weight}, {self.block_loss_weight} and {self.keep_cost})")
 
     def module(self, channels: int, num_edge_types: int, num_node_types: int, content_type: int,
                random_type: int) -> LearnedTopology:
@@ -272,15 +271,13 @@ class LearnedTopology(TopologyStep, nn.Module):
         # the defaults are TopologyConfig's: one place says what the default topology is
         super().__init__()
         name = self.__class__.__name__
-        check_topology(name, k, rank, content_blocks, block_size, random_proposals, block_summary)
+        check_topology(name, k, rank, content_blocks, block_size, random_proposals, block_summary, explore)
         if not (0 <= content_type < num_edge_types and 0 <= random_type < num_edge_types):
             raise ValueError(f"{name}: content_type and random_type must be edge types in [0, {num_edge_types}) "
                              f"(got {content_type} and {random_type})")
         self.channels, self.num_edge_types, self.k, self.rank, self.qk_norm = channels, num_edge_types, k, rank, qk_norm
         self.content_blocks, self.block_size, self.block_summary = content_blocks, block_size, block_summary
         self.random_proposals, self.seed, self.sink_threshold = random_proposals, seed, sink_threshold
-        if explore < 0:
-            raise ValueError(f"{name}: explore must be >= 0 (got {explore})")
         self.explore, self._noise = explore, None  # the noise's own generator: it leaves the global one alone
         self.content_type, self.random_type = content_type, random_type
         self.query = nn.Linear(channels, rank, bias=False)
