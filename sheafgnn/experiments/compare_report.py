@@ -3,6 +3,8 @@ one-line standing that the demo reads."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from sheafgnn.experiments.recurrence import bucket_names
 from sheafgnn.experiments.report import pyplot
 
@@ -51,15 +53,9 @@ def at_equal_seconds(training: dict) -> tuple[float, dict[str, dict | None]]:
     seconds = min(r["curve"][-1]["elapsed_s"] for r in training.values())
     at = {}
     for kind, r in training.items():
-        curve = r["curve"]
-        after = next(i for i, p in enumerate(curve) if p["elapsed_s"] >= seconds)
-        if after == 0:
-            at[kind] = ({key: curve[0][key] for key in ("tokens", "val_bpb")}
-                        if curve[0]["elapsed_s"] == seconds else None)
-            continue
-        a, b = curve[after - 1], curve[after]
-        w = (seconds - a["elapsed_s"]) / (b["elapsed_s"] - a["elapsed_s"])
-        at[kind] = {key: a[key] + w * (b[key] - a[key]) for key in ("tokens", "val_bpb")}
+        elapsed = [p["elapsed_s"] for p in r["curve"]]
+        at[kind] = None if seconds < elapsed[0] else {
+            key: float(np.interp(seconds, elapsed, [p[key] for p in r["curve"]])) for key in ("tokens", "val_bpb")}
     return seconds, at
 
 

@@ -104,8 +104,9 @@ class TopologyConfig(ConfigFile):
     block_scorer: bool = False  # content blocks scored by a scorer of their own, trained by block_distillation
     block_loss_weight: float = 1.0  # the block scorer's distillation loss (its only training signal)
     sink_threshold: bool = False  # keep only the candidates that outscore the destination's "nothing" logit
-    # Gumbel-top-k in training (0: off): the kept k sampled from softmax(score / explore), so that a candidate
-    explore: float = 0.0  # ranked just below the k is still kept at times, and gets a gradient
+    # Gumbel-top-k in training (0: off): the kept k sampled from softmax(score / explore), so that a candidate ranked
+    # just below the k is still kept at times, and gets a gradient
+    explore: float = 0.0
     pool_loss_weight: float = 0.0  # next-token loss read from each block's whole pools (trains the choice; 0: off)
     keep_cost: float = 0.0  # this weight times the expected kept edges per node (sigmoid(s_e - s_sink))
 
@@ -369,10 +370,8 @@ class LearnedTopology(TopologyStep, nn.Module):
             the kept scores (M, k) (-inf where a pool has fewer), their columns (M, k), and
             their softmax weights (M, k) (0 where -inf).
         """
-        ranking = self._ranking(score)
-        top, pick = ranking.sort(dim=1, descending=True, stable=True)
-        pick = pick[:, : self.k]  # (M, k)
-        top = top[:, : self.k] if ranking is score else score.gather(1, pick)
+        pick = self._ranking(score.detach()).sort(dim=1, descending=True, stable=True).indices[:, : self.k]  # (M, k)
+        top = score.gather(1, pick)
         weight = torch.cat([top, sink], 1).softmax(1)[:, :-1]  # (M, k): -inf -> 0
         if self.sink_threshold:
             below = top <= sink  # (M, k)
