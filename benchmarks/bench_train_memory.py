@@ -16,10 +16,12 @@ default sheaf model, 2 layers; dense matched to its parameters within 10%). Ever
 
 Every run first calls :func:`sheafgnn.memory.tune_cpu`, as ``sheafgnn.train.train``
 does: glibc's thresholds and oneDNN's primitive cache bound
-(:func:`sheafgnn.memory.bound_onednn_cache`). Three runs: ``sheaf``,
+(:func:`sheafgnn.memory.bound_onednn_cache`); large tensors are on huge pages
+as ``import sheafgnn`` sets them (:func:`sheafgnn.memory.huge_pages_on`), and
+each run records what ``tune_cpu`` reported. Four runs: ``sheaf``,
 ``sheaf_onednn_1024`` (the cache at oneDNN's default size, set in the
-environment, which ``tune_cpu`` leaves alone) and ``dense`` (``--runs`` picks
-some). It writes ``train_memory.json``
+environment, which ``tune_cpu`` leaves alone), ``sheaf_no_huge_pages``
+(``THP_MEM_ALLOC_ENABLE=0``) and ``dense`` (``--runs`` picks some). It writes ``train_memory.json``
 (rows per run; the growth of each figure from the first record to the last;
 each run's peak resident set and how far the resident set rose after the
 warm-up, from the record at step ``--warmup`` to the highest one after it; and
@@ -57,6 +59,7 @@ from sheafgnn.train import train_step
 
 KINDS = ("sheaf", "dense")
 RUNS = {"sheaf": ("sheaf", {}), "sheaf_onednn_1024": ("sheaf", {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024"}),
+        "sheaf_no_huge_pages": ("sheaf", {"THP_MEM_ALLOC_ENABLE": "0"}),
         "dense": ("dense", {})}  # name -> (model kind, environment of its process)
 
 
@@ -70,9 +73,10 @@ def live_tensor_bytes() -> int:
     return sum(storages.values())
 
 
-def train_here(kind: str, steps: int, every: int, context: int, batch_size: int) -> list[dict]:
-    """Train one model ``steps`` steps in this process; a record every ``every`` steps (and the last)."""
-    tune_cpu()  # what the training loop does first
+def train_here(kind: str, steps: int, every: int, context: int, batch_size: int) -> dict:
+    """Train one model ``steps`` steps in this process: what :func:`tune_cpu` reported, and a record every
+    ``every`` steps (and the last)."""
+    settings = tune_cpu()  # what the training loop does first
     options, _ = matched_options(KINDS, {"d_model": SheafStateConfig().d_model, "n_layers": 2}, 256, n_heads=4,
                                  window=256)
     site = {} if kind == "sheaf" else {"patch_types": []}
@@ -89,7 +93,7 @@ def train_here(kind: str, steps: int, every: int, context: int, batch_size: int)
                          "live_tensor_bytes": live_tensor_bytes(), **(heap_stats() or {})})
         if step == steps:
             break
-    return rows
+    return {"tune_cpu": settings, "rows": rows}
 
 
 def growth(rows: list[dict]) -> dict:
@@ -154,9 +158,10 @@ def main() -> None:
         kind, env = RUNS[name]
         command = [sys.executable, __file__, "--one", kind, *sys.argv[1:]]
         out = subprocess.run(command, check=True, capture_output=True, text=True, env={**os.environ, **env}).stdout
-        rows = json.loads(out.splitlines()[-1])
-        result["runs"][name] = {"kind": kind, "environment": env, "rows": rows, "growth": growth(rows),
-                                **after_warmup(rows, args.warmup)}
+        run = json.loads(out.splitlines()[-1])
+        rows = run["rows"]
+        result["runs"][name] = {"kind": kind, "environment": env, "tune_cpu": run["tune_cpu"], "rows": rows,
+                                "growth": growth(rows), **after_warmup(rows, args.warmup)}
         first, last = rows[0], rows[-1]
         print(f"  {name:<17} step {first['step']} -> {last['step']}: RSS {first['rss_bytes'] / 2**20:,.0f} -> "
               f"{last['rss_bytes'] / 2**20:,.0f} MiB, live tensors {first['live_tensor_bytes'] / 2**20:,.0f} -> "

@@ -8,7 +8,15 @@
 
 On the CPU, call ``sheafgnn.tune_cpu()`` once before training (the ``sheafgnn`` command does): two
 process-wide allocator settings that change no result (:func:`sheafgnn.memory.tune_cpu`).
+
+Importing the package sets one more, unless the environment sets it: ``THP_MEM_ALLOC_ENABLE=1``, PyTorch's
+huge pages for CPU tensors of 2 MiB and more (:func:`sheafgnn.memory.huge_pages_on`). PyTorch reads it at
+its first CPU allocation, so it cannot wait for a call; ``THP_MEM_ALLOC_ENABLE=0`` keeps it off.
 """
+
+import os
+
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # before torch_geometric, whose import allocates
 
 from sheafgnn.memory import tune_cpu
 from sheafgnn.model import SheafStateConfig, SheafStateLM

@@ -154,11 +154,32 @@ def bound_onednn_cache(capacity: int = ONEDNN_CACHE_CAPACITY) -> bool:
     return True
 
 
+HUGE_PAGES_VARIABLE = "THP_MEM_ALLOC_ENABLE"  # set by ``import sheafgnn`` unless the user set it
+
+
+def huge_pages_on() -> bool:
+    """Whether PyTorch's CPU allocator advises transparent huge pages for large tensors in this process.
+
+    With ``THP_MEM_ALLOC_ENABLE=1``, PyTorch aligns each CPU tensor of 2 MiB or more to a page and marks it
+    ``MADV_HUGEPAGE``. The sheaf model's training steps allocate tensors of a new size at almost every
+    step (a site's node and edge counts vary by window), and in glibc's heap their freed space was reused
+    badly: at context 1k the resident set grew to 1,336 MiB in 60 steps while live tensors peaked near
+    310 MiB; with huge pages advised it stayed at 973 MiB, at the same step time
+    (``benchmarks/bench_train_memory.py``). PyTorch reads the variable once, at its first CPU allocation
+    (importing torch_geometric makes one), so ``import sheafgnn`` sets it before anything else; where the
+    process allocated before that, or the user set it to ``0``, it is off. Checked on two tensors whose
+    addresses are page-aligned only when it is on.
+    """
+    page = os.sysconf("SC_PAGESIZE")
+    return all(torch.empty(n, dtype=torch.uint8).data_ptr() % page == 0 for n in (3 << 20, (5 << 20) + 64))
+
+
 def tune_cpu() -> dict:
     """Both process-wide settings for training on the CPU: glibc's thresholds (:func:`keep_freed_memory`)
-    and oneDNN's primitive cache (:func:`bound_onednn_cache`); returns which took. An explicit call (the
-    ``sheafgnn`` command, the training loop, the benchmarks): building a model changes no process setting."""
-    return {"glibc": keep_freed_memory(), "onednn_cache": bound_onednn_cache()}
+    and oneDNN's primitive cache (:func:`bound_onednn_cache`); returns which took, and whether large tensors
+    are on huge pages (:func:`huge_pages_on`, set at import). An explicit call (the ``sheafgnn`` command, the
+    training loop, the benchmarks): building a model changes no process setting."""
+    return {"glibc": keep_freed_memory(), "onednn_cache": bound_onednn_cache(), "huge_pages": huge_pages_on()}
 
 
 def process_peak_bytes(device: torch.device) -> int:

@@ -1,6 +1,8 @@
 
 import ctypes
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -459,6 +461,20 @@ def test_a_model_changes_no_process_setting_and_tune_cpu_does(monkeypatch):
     calls = []
     monkeypatch.setattr(memory, "keep_freed_memory", lambda: calls.append("glibc") or True)
     monkeypatch.setattr(memory, "bound_onednn_cache", lambda: calls.append("onednn") or True)
+    monkeypatch.setattr(memory, "huge_pages_on", lambda: calls.append("huge pages") or True)
     SheafStateLM(SheafStateConfig(d_model=16, n_layers=1))
     assert calls == []
-    assert sheafgnn.tune_cpu() == {"glibc": True, "onednn_cache": True} and calls == ["glibc", "onednn"]
+    assert sheafgnn.tune_cpu() == {"glibc": True, "onednn_cache": True, "huge_pages": True}
+    assert calls == ["glibc", "onednn", "huge pages"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PyTorch's huge pages are Linux only")
+@pytest.mark.parametrize("setup, on", [("", True), ("import torch_geometric", False),
+                                       ("import os; os.environ['THP_MEM_ALLOC_ENABLE'] = '0'", False)])
+def test_importing_the_package_puts_large_tensors_on_huge_pages(setup, on):
+    """PyTorch reads THP_MEM_ALLOC_ENABLE at its first CPU allocation: ``import sheafgnn`` sets it first, and
+    it stays off where the process allocated before (importing torch_geometric does) or the user said 0."""
+    code = f"{setup}\nimport sheafgnn\nfrom sheafgnn.memory import huge_pages_on\nprint(huge_pages_on())"
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert done.stdout.split() == [str(on)]
