@@ -349,12 +349,28 @@ def test_write_tokens_decodes_characters_split_across_tokens():
     assert out.flushes[:6] == ["", "é", "é", "é", "é€", "é€a"]  # each token flushed as it arrives
 
 
+def test_long_result_is_the_mean_of_the_seeds_every_model_ran(tmp_path, monkeypatch):
+    from sheafgnn import cli
+
+    for seed, (sheaf, ssm) in enumerate([(1.95, 1.96), (1.99, 1.97)]):
+        (tmp_path / f"seed{seed}").mkdir()
+        training = {"sheaf": {"val_bpb": sheaf}, "ssm": {"val_bpb": ssm}}
+        training.update({"dense": {"val_bpb": 1.0}} if seed else {})  # a model one seed lacks is left out
+        (tmp_path / f"seed{seed}" / "compare.json").write_text(json.dumps({"config": {"tokens": 8388608},
+                                                                           "training": training}))
+    monkeypatch.setattr(cli, "LONG_RESULTS", tmp_path)
+    line = cli._long_result()
+    assert "8,388,608 tokens per model, mean of 2 seed(s)" in line
+    assert "**ssm** (1.9650 bits/byte); then sheaf 1.9700 (+0.0050)" in line and "dense" not in line
+    assert "seed0: sheaf 1.9500, ssm 1.9600; seed1: sheaf 1.9900, ssm 1.9700" in line
+
+
 def test_demo_compares_and_says_which_model_is_ahead(tmp_path, capsys, monkeypatch):
     """The demo at toy sizes: site statistics, a comparison of the default models, and a verdict that names the
     model ahead at its budget and where the long comparison stands (here: absent)."""
     from sheafgnn import cli
 
-    monkeypatch.setattr(cli, "LONG_RESULT", tmp_path / "absent.json")
+    monkeypatch.setattr(cli, "LONG_RESULTS", tmp_path / "absent")
     assert main(["demo", "--out", str(tmp_path), "--context", "64", "--tokens", "128", "--quick", "--in-process",
                  "--num-threads", "1"]) == 0
     verdict = (tmp_path / "verdict.md").read_text()
