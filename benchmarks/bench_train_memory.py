@@ -51,15 +51,15 @@ from torch_geometric.loader import DataLoader
 from sheafgnn.data import WindowDataset, corpus_ids
 from sheafgnn.experiments.report import pyplot, save_figure
 from sheafgnn.lm import build_model, matched_options
-from sheafgnn.memory import heap_stats, resident_bytes, tune_cpu
+from sheafgnn.memory import HUGE_PAGES_VARIABLE, ONEDNN_CACHE_VARIABLE, heap_stats, resident_bytes, tune_cpu
 from sheafgnn.model import SheafStateConfig
 from sheafgnn.optim import make_optimizer
 from sheafgnn.site import SiteBuilder, SiteConfig
 from sheafgnn.train import train_step
 
 KINDS = ("sheaf", "dense")
-RUNS = {"sheaf": ("sheaf", {}), "sheaf_onednn_1024": ("sheaf", {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024"}),
-        "sheaf_no_huge_pages": ("sheaf", {"THP_MEM_ALLOC_ENABLE": "0"}),
+RUNS = {"sheaf": ("sheaf", {}), "sheaf_onednn_1024": ("sheaf", {ONEDNN_CACHE_VARIABLE: "1024"}),
+        "sheaf_no_huge_pages": ("sheaf", {HUGE_PAGES_VARIABLE: "0"}),
         "dense": ("dense", {})}  # name -> (model kind, environment of its process)
 
 

@@ -16,9 +16,10 @@ its first CPU allocation, so it cannot wait for a call; ``THP_MEM_ALLOC_ENABLE=0
 
 import os
 
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # before torch_geometric, whose import allocates
+from sheafgnn.memory import HUGE_PAGES_VARIABLE, tune_cpu  # torch and the standard library only: no allocation
 
-from sheafgnn.memory import tune_cpu
+os.environ.setdefault(HUGE_PAGES_VARIABLE, "1")  # before torch_geometric, whose import allocates
+
 from sheafgnn.model import SheafStateConfig, SheafStateLM
 from sheafgnn.site import SiteBuilder, SiteConfig, build_site, validate_site
 

@@ -10,6 +10,7 @@ import torch
 from torch_geometric.data import Batch
 
 from sheafgnn.memory import (
+    HUGE_PAGES_VARIABLE,
     MMAP_THRESHOLD,
     ONEDNN_CACHE_CAPACITY,
     ONEDNN_CACHE_VARIABLE,
@@ -475,6 +476,6 @@ def test_importing_the_package_puts_large_tensors_on_huge_pages(setup, on):
     """PyTorch reads THP_MEM_ALLOC_ENABLE at its first CPU allocation: ``import sheafgnn`` sets it first, and
     it stays off where the process allocated before (importing torch_geometric does) or the user said 0."""
     code = f"{setup}\nimport sheafgnn\nfrom sheafgnn.memory import huge_pages_on\nprint(huge_pages_on())"
-    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    env = {k: v for k, v in os.environ.items() if k != HUGE_PAGES_VARIABLE}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert done.stdout.split() == [str(on)]
