@@ -15,6 +15,8 @@ variants with one part changed, each at every seed of ``--seeds``, on the same t
     no_random_proposals     the random proposals (topology.random_proposals 0)
     qk_norm                 the RMSNorms of the topology's queries and keys switched the other way (topology.qk_norm)
     identity_maps           restriction maps fixed to the identity (gluing.map_kind identity)
+    orthogonal_maps         orthogonal restriction maps in place of the default's (gluing.map_kind orthogonal)
+    general_maps            general (dense stalk_dim x stalk_dim) restriction maps (gluing.map_kind general)
     separate_patch_ssm      the patch chains with an SSM of their own (ssm.shared false)
     experts_per_type        one expert per node type (experts.shared false)
     headdim_8, headdim_16   the SSM's head dimension P (default 32): expand * d_model / P heads, each with its own
@@ -92,6 +94,8 @@ def variants(d_model: int, patch_types: list[str]) -> dict[str, dict]:
                "no_random_proposals": {"topology": {"random_proposals": 0}},
                "qk_norm": {"topology": {"qk_norm": not default.topology.qk_norm}},
                "identity_maps": {"gluing": {"map_kind": "identity"}},
+               "orthogonal_maps": {"gluing": {"map_kind": "orthogonal"}},
+               "general_maps": {"gluing": {"map_kind": "general"}},
                "headdim_8": {"ssm": {"headdim": 8}},
                "headdim_16": {"ssm": {"headdim": 16}},
                "separate_patch_ssm": {"ssm": {"shared": not default.ssm.shared}},
