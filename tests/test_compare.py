@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
 import torch
 
+from sheafgnn.experiments import compare
 from sheafgnn.experiments.compare import (
     DEFAULT_MODELS,
+    LR_WIDEN,
     CompareConfig,
+    kept_models,
+    lr_sweep_one,
     main_compare,
+    next_rate,
     parse_compare_args,
     run_compare,
     speed_ratios,
@@ -160,7 +166,9 @@ def test_lr_sweep_trains_each_model_at_its_best_lr(corpus, tmp_path):
                                  eval_points=2, num_threads=1)
     report = run_compare(config)
     for kind, rows in report["lr_sweep"].items():
-        assert [row["lr"] for row in rows] == [1e-4, 3e-3, 3e-2] and all(row["tokens"] == 128 for row in rows)
+        rates = [row["lr"] for row in rows]  # the configured ones, and any beyond an edge where the best lay
+        assert {1e-4, 3e-3, 3e-2} <= set(rates) and rates == sorted(rates) and len(rates) <= 3 + LR_WIDEN
+        assert next_rate(rows, 3) is None and all(row["tokens"] == 128 for row in rows)
         assert report["training"][kind]["lr"] == min(rows, key=lambda row: row["val_bpb"])["lr"]
         curve = report["training"][kind]["curve"]  # two validations, the last one the final val_bpb
         assert [p["tokens"] for p in curve] == [128, 256]
@@ -168,6 +176,50 @@ def test_lr_sweep_trains_each_model_at_its_best_lr(corpus, tmp_path):
     assert "## Learning-rate sweep" in (tmp_path / "compare.md").read_text()
     with pytest.raises(ValueError, match="lr_sweep"):
         CompareConfig(lr_sweep=(0.0,))
+
+
+def test_next_rate_widens_at_an_edge_only():
+    def rows(*pairs):
+        return [{"lr": lr, "val_bpb": bpb} for lr, bpb in pairs]
+
+    assert next_rate(rows((2e-3, 2.6), (4e-3, 2.5), (8e-3, 2.7)), 3) is None  # the best inside
+    assert next_rate(rows((2e-3, 2.5), (4e-3, 2.6), (8e-3, 2.7)), 3) == 1e-3  # at the low edge: one step lower
+    assert next_rate(rows((1e-3, 2.9), (3e-3, 2.7)), 2) == 9e-3  # at the high edge, the sweep's own step
+    assert next_rate(rows((1e-3, 2.5), (2e-3, 2.5)), 2) is None  # a tie says nothing about a direction
+    assert next_rate(rows((1e-3, 2.5)), 1) is None  # one rate: no step to take
+    widened = rows(*[(lr, lr) for lr in (1e-4, 1e-3, 1e-2, 1e-1)])
+    assert next_rate(widened, 4 - LR_WIDEN) is None and next_rate(widened, 4) == 1e-5  # LR_WIDEN added already
+
+
+def test_lr_sweep_widens_until_the_best_lies_inside(monkeypatch):
+    trained = []
+
+    def fit(config, kind, options, lr, tokens, run):  # validation best at lr 2.5e-4, below the configured rates
+        trained.append(lr)
+        return None, {"tokens": tokens, "val_bpb": 3.0 + abs(math.log(lr / 2.5e-4)), "elapsed_s": 1.0}, None
+
+    monkeypatch.setattr(compare, "_fit", fit)
+    rows = lr_sweep_one(CompareConfig(lr_sweep=(1e-3, 2e-3, 4e-3), tokens=64), "dense", {})
+    assert trained == [1e-3, 2e-3, 4e-3, 5e-4, 2.5e-4]  # widened twice (LR_WIDEN), lowest first
+    assert [row["lr"] for row in rows] == [2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3]
+    assert min(rows, key=lambda row: row["val_bpb"])["lr"] == 2.5e-4 and next_rate(rows, 3) is None
+
+
+def test_a_second_run_keeps_the_models_trained_with_the_same_settings(corpus, tmp_path):
+    config = CompareConfig.quick(corpus=corpus, out_dir=str(tmp_path), isolate=False, sweep=(32,), tokens=128,
+                                 models=("ssm",), num_threads=1)
+    first = run_compare(config)
+    assert first["reused"] == []
+    more = run_compare(CompareConfig.quick(**{**config.to_dict(), "models": ("ssm", "dense"), "jobs": 1}))
+    assert more["reused"] == ["ssm"] and list(more["training"]) == ["ssm", "dense"]
+    assert more["training"]["ssm"] == json.loads(json.dumps(first["training"]["ssm"]))  # kept, not retrained
+    assert set(more["sweep"]) == {"ssm", "dense"}  # the context sweep measures every model again
+    assert "Kept from an earlier run of the same settings" in (tmp_path / "compare.md").read_text()
+    other = CompareConfig.quick(**{**config.to_dict(), "seed": 1})
+    assert kept_models(other, {"ssm": first["training"]["ssm"]["options"]}) == {}  # another seed trains anew
+    (tmp_path / "compare.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="not a compare report"):
+        kept_models(config, {})
 
 
 @pytest.mark.slow

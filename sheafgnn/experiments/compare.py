@@ -7,9 +7,13 @@ r"""``sheafgnn compare``: sheaf vs dense, local and ssm at equal parameters, tok
     CompareConfig
       -> matched_options        sheaf width fixed; dense/local/ssm widths matched to its
                                 parameter count within 10% (printed)
+      -> a model already trained in out_dir/compare.json with the same settings is kept
+         (``reused`` in the report), so a run adds models or seeds to an earlier one
       -> per model, in a fresh process (spawn; --in-process for tests):
            lr sweep (optional)   training only, at every lr of ``lr_sweep`` for ``sweep_tokens``;
-                                 the lr of the lowest validation bits/byte is the model's
+                                 a best lr at an edge widens the sweep on that side by the
+                                 sweep's own step, up to LR_WIDEN rates; the lr of the lowest
+                                 validation bits/byte is the model's
            train_one             sheafgnn.train.train on the same corpus, seed, windows, tokens
                                  -> val bits/byte (and its curve: ``eval_points`` validations
                                     against tokens and seconds), training tokens/s, peak memory,
@@ -35,6 +39,7 @@ for that model, and the report states the caps.
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
 import shutil
@@ -68,6 +73,9 @@ from sheafgnn.train import TrainConfig, build_datasets, evaluate, resolve_device
 
 SWEEP = (1024, 2048, 4096, 8192, 16384, 32768)
 RATIO_AT = (16384, 32768)  # context lengths of the sheaf vs dense speed ratios
+LR_WIDEN = 2  # rates an lr sweep may add beyond the edge where its best lies
+# Settings that schedule a run without changing what it trains: a kept model may differ in these only.
+SCHEDULING = ("out_dir", "models", "jobs", "progress")
 BASELINE_SITE = {"patch_types": []}  # dense, local and ssm read tokens only: no patches to build
 # The attention baselines with the short conv every Zoology baseline has; plain dense and local on request.
 DEFAULT_MODELS = ("sheaf", "dense_conv", "local_conv", "ssm")
@@ -263,15 +271,36 @@ def train_one(config: CompareConfig, kind: str, options: dict, lr: float | None 
                                             config.eval_batches * config.batch_size, device)}
 
 
+def next_rate(rows: list[dict], swept: int) -> float | None:
+    """The lr a sweep of ``swept`` configured rates should try next: one step of the sweep's own ratio beyond
+    the edge where the best of ``rows`` (sorted by lr) lies, or None when the best lies inside, the rates tie,
+    there is no step to take (one rate) or ``LR_WIDEN`` rates were added already."""
+    scores = [row["val_bpb"] for row in rows]
+    if len(rows) < 2 or len(rows) >= swept + LR_WIDEN or len(set(scores)) == 1:
+        return None
+    best = scores.index(min(scores))
+    if best not in (0, len(rows) - 1):
+        return None
+    edge, inner = (rows[0], rows[1]) if best == 0 else (rows[-1], rows[-2])
+    return float(f"{edge['lr'] ** 2 / inner['lr']:.3g}")  # 2e-3 * (2e-3 / 4e-3) = 1e-3, not 0.000999...
+
+
 def lr_sweep_one(config: CompareConfig, kind: str, options: dict) -> list[dict]:
-    """Train at every lr of ``config.lr_sweep`` on ``sweep_tokens`` (the same data and seed), measuring
-    nothing but validation; rows of lr, validation bits/byte and training seconds."""
+    """Train at every lr of ``config.lr_sweep`` on ``sweep_tokens`` (the same data and seed), then beyond the
+    edge where the best lies (:func:`next_rate`), measuring nothing but validation; rows of lr, validation
+    bits/byte and training seconds, sorted by lr."""
     tokens = config.sweep_tokens or max(1, config.tokens // 8)
     rows, final_only = [], replace(config, eval_points=1)  # a sweep run needs its last validation only
-    for lr in config.lr_sweep:
+    rates = list(config.lr_sweep)
+    while rates:
+        lr = rates.pop(0)
         _, r, _ = _fit(final_only, kind, options, lr, tokens, f"{kind}_lr{lr:g}")
-        rows.append({"lr": lr, "tokens": r["tokens"], "val_bpb": r["val_bpb"], "train_elapsed_s": r["elapsed_s"]})
+        rows = sorted(rows + [{"lr": lr, "tokens": r["tokens"], "val_bpb": r["val_bpb"],
+                               "train_elapsed_s": r["elapsed_s"]}], key=lambda row: row["lr"])
         print(f"  {kind} lr {lr:g}: {r['val_bpb']:.4f} bits/byte after {r['tokens']:,} tokens", flush=True)
+        if not rates and (wider := next_rate(rows, len(config.lr_sweep))) is not None:
+            print(f"  {kind}: the best lr lies at the edge of the sweep; widening it to {wider:.3g}", flush=True)
+            rates.append(wider)
     return rows
 
 
@@ -369,6 +398,28 @@ def speed_ratios(sweep: dict[str, list[dict]], at: tuple[int, ...] = RATIO_AT) -
     return out
 
 
+def kept_models(config: CompareConfig, options: dict[str, dict]) -> dict[str, tuple[list[dict], dict]]:
+    """The models of ``config`` already trained in ``out_dir/compare.json`` by a run with the same settings
+    (every field but :data:`SCHEDULING`), at the same options and with a finished lr sweep: {kind: (sweep
+    rows, training result)}, as :func:`_train_model` returns them."""
+    path = Path(config.out_dir) / "compare.json"
+    if not path.exists():
+        return {}
+    try:
+        earlier = json.loads(path.read_text())
+        settings = {k: v for k, v in earlier["config"].items() if k not in SCHEDULING}
+        training, sweeps = earlier["training"], earlier["lr_sweep"]
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"compare: {path} is not a compare report ({error!r}); move it away or choose another "
+                         f"out_dir") from error
+    ours = json.loads(json.dumps({k: v for k, v in config.to_dict().items() if k not in SCHEDULING}))
+    if settings != ours:
+        return {}
+    return {kind: (sweeps.get(kind, []), training[kind]) for kind in config.models
+            if kind in training and training[kind]["options"] == options[kind]
+            and (not config.lr_sweep or next_rate(sweeps.get(kind, []), len(config.lr_sweep)) is None)}
+
+
 def _train_model(config: CompareConfig, kind: str, options: dict) -> tuple[list[dict], dict]:
     """One model's learning-rate sweep (when configured), then its training at the best lr, each in a
     fresh process (``isolate``): (sweep rows, :func:`train_one`'s result)."""
@@ -397,9 +448,12 @@ def run_compare(config: CompareConfig) -> dict:
     options, counts = matched_options(config.models, sheaf_options, 256, n_heads=config.n_heads,
                                       window=config.window, site=config.site, tolerance=config.tolerance)
     print_parameter_counts(options, counts)
+    kept = kept_models(config, options)
+    if kept:
+        print(f"kept from {out / 'compare.json'} (the same settings): {', '.join(kept)}", flush=True)
     with ThreadPoolExecutor(max_workers=config.jobs) as pool:  # each thread waits on its model's processes
-        runs = dict(zip(config.models, pool.map(lambda kind: _train_model(config, kind, options[kind]),
-                                                config.models)))
+        runs = dict(zip(config.models, pool.map(
+            lambda kind: kept.get(kind) or _train_model(config, kind, options[kind]), config.models)))
     lr_sweep = {kind: rows for kind, (rows, _) in runs.items() if rows}
     training, sweep = {kind: result for kind, (_, result) in runs.items()}, {}
     for kind in tqdm(config.models, desc="context sweep", disable=not config.progress):
@@ -409,7 +463,8 @@ def run_compare(config: CompareConfig) -> dict:
             reason = "the sweep process died (out of memory?); lower memory_cap_gb"
             sweep[kind] = [{"n": n, "skipped": True, "reason": reason} for n in config.sweep]
             print(f"sweep {kind}: {reason}", file=sys.stderr)
-    report = {"config": config.to_dict(), "params": counts, "training": training, "lr_sweep": lr_sweep, "sweep": sweep,
+    report = {"config": config.to_dict(), "params": counts, "training": training, "lr_sweep": lr_sweep,
+              "reused": list(kept), "sweep": sweep,
               "ratios": speed_ratios(sweep),
               "caps": {"time_cap_s": config.time_cap_s, "memory_cap_gb": config.memory_cap_gb},
               "memory_method": next(iter(training.values()))["memory_method"],

@@ -100,14 +100,22 @@ def markdown(report: dict) -> str:
               "with a validation loss. The loss on train / val windows is one measure for both texts: the "
               f"trained model's next-token loss on {cfg['eval_batches'] * cfg['batch_size']} windows spread evenly "
               "over each (the generalisation gap)."]
+    if report.get("reused"):
+        lines += ["", f"Kept from an earlier run of the same settings in this folder, not trained again: "
+                  f"{', '.join(report['reused'])}."]
     if report["lr_sweep"]:
-        rates = cfg["lr_sweep"]
+        # the configured rates, and those a sweep added beyond an edge where its best lay
+        rates = sorted({row["lr"] for rows in report["lr_sweep"].values() for row in rows})
         lines += ["", f"## Learning-rate sweep: validation bits/byte after "
-                  f"{next(iter(report['lr_sweep'].values()))[0]['tokens']:,} tokens (the best trains in full)", "",
+                  f"{next(iter(report['lr_sweep'].values()))[0]['tokens']:,} tokens (the best trains in full; "
+                  f"configured {', '.join(f'{lr:g}' for lr in cfg['lr_sweep'])}, widened where the best lay at an "
+                  "edge)", "",
                   "| model | " + " | ".join(f"lr {lr:g}" for lr in rates) + " |",
                   "|---|" + "---:|" * len(rates)]
         for kind, rows in report["lr_sweep"].items():
-            lines.append(f"| {kind} | " + " | ".join(f"{row['val_bpb']:.4f}" for row in rows) + " |")
+            score = {row["lr"]: row["val_bpb"] for row in rows}
+            lines.append(f"| {kind} | " + " | ".join(f"{score[lr]:.4f}" if lr in score else "-" for lr in rates)
+                         + " |")
     lines += _equal_seconds_table(training)
     lines += _by_distance_table(training, cfg)
     kinds = list(sweep)
