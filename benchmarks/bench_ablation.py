@@ -158,12 +158,15 @@ def markdown(report: dict) -> str:
              f"Seed spread of the full model: {report['seed_spread']:.4f} bits/byte (largest minus smallest over the "
              "seeds). Patch types with no nodes in the default sites of the first 8,192 validation tokens, so not "
              f"ablated: {', '.join(report['inactive_patch_types']) or 'none'}.\n",
-             "| variant | val bits/byte per seed | mean | change | beyond the spread | train tok/s | nodes / token "
-             "| edges / token | params |", "|---|---|---:|---:|---|---:|---:|---:|---:|"]
+             "Change per seed: the variant minus the full model at the same seed (the same data order), the "
+             "paired view of the change.\n",
+             "| variant | val bits/byte per seed | mean | change | change per seed | beyond the spread | train tok/s "
+             "| nodes / token | edges / token | params |", "|---|---|---:|---:|---|---|---:|---:|---:|---:|"]
     for r in rows:
         beyond = "yes" if abs(r["change_bpb"]) > report["seed_spread"] else "no"
         lines.append(f"| {r['variant']} | {' / '.join(f'{v:.4f}' for v in r['val_bpb'])} | {r['mean_bpb']:.4f} "
-                     f"| {r['change_bpb']:+.4f} | {'-' if r['variant'] == 'full' else beyond} "
+                     f"| {r['change_bpb']:+.4f} | {' / '.join(f'{c:+.4f}' for c in r['change_per_seed'])} "
+                     f"| {'-' if r['variant'] == 'full' else beyond} "
                      f"| {r['train_tokens_per_s']:,.0f} | {r['nodes_per_token']:.2f} | {r['edges_per_token']:.1f} "
                      f"| {r['params']:,} |")
     return "\n".join(lines) + "\n"
@@ -225,6 +228,7 @@ def main() -> None:
     full = summary[0]
     for row in summary:
         row["change_bpb"] = row["mean_bpb"] - full["mean_bpb"]
+        row["change_per_seed"] = [v - f for v, f in zip(row["val_bpb"], full["val_bpb"])]  # runs in seed order
     report = {"benchmark": "ablation", "settings": vars(args), "runs": rows, "variants": summary,
               "wall_s": time.perf_counter() - start, "torch": torch.__version__,
               "inactive_patch_types": [p for p in SiteConfig().patch_types if p in SWITCHABLE and p not in active],
