@@ -95,8 +95,8 @@ def _long_result() -> str:
         return "The 8.4M-token comparison (benchmarks/results/text/) is not in this checkout."
     kinds = [k for k in next(iter(reports.values()))["training"] if all(k in r["training"] for r in reports.values())]
     mean = {k: {"val_bpb": sum(r["training"][k]["val_bpb"] for r in reports.values()) / len(reports)} for k in kinds}
-    per_seed = "; ".join(f"{name}: " + ", ".join(f"{k} {r['training'][k]['val_bpb']:.4f}" for k in kinds)
-                         for name, r in reports.items())
+    per_seed = "; ".join(f"{name}: " + ", ".join(f"{k} {t['val_bpb']:.4f}" for k, t in r["training"].items())
+                         for name, r in reports.items())  # every model a seed ran, the mean's and others
     tokens = {r["config"]["tokens"] for r in reports.values()}
     return (f"At {', '.join(f'{t:,}' for t in sorted(tokens))} tokens per model, mean of {len(reports)} seed(s) "
             f"(benchmarks/results/text/): " + standing(mean).replace("at this budget", "there")
