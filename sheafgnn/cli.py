@@ -97,9 +97,11 @@ def _long_result() -> str:
     mean = {k: {"val_bpb": sum(r["training"][k]["val_bpb"] for r in reports.values()) / len(reports)} for k in kinds}
     per_seed = "; ".join(f"{name}: " + ", ".join(f"{k} {t['val_bpb']:.4f}" for k, t in r["training"].items())
                          for name, r in reports.items())  # every model a seed ran, the mean's and others
+    partial = sorted({k for r in reports.values() for k in r["training"]} - set(kinds))
     tokens = {r["config"]["tokens"] for r in reports.values()}
     return (f"At {', '.join(f'{t:,}' for t in sorted(tokens))} tokens per model, mean of {len(reports)} seed(s) "
             f"(benchmarks/results/text/): " + standing(mean).replace("at this budget", "there")
+            + (f" Not run in every seed, so not in the mean: {', '.join(partial)}." if partial else "")
             + f" By seed: {per_seed}.")
 
 
