@@ -215,8 +215,14 @@ def test_a_second_run_keeps_the_models_trained_with_the_same_settings(corpus, tm
     assert more["training"]["ssm"] == json.loads(json.dumps(first["training"]["ssm"]))  # kept, not retrained
     assert set(more["sweep"]) == {"ssm", "dense"}  # the context sweep measures every model again
     assert "Kept from an earlier run of the same settings" in (tmp_path / "compare.md").read_text()
+    options = {"ssm": first["training"]["ssm"]["options"]}
     other = CompareConfig.quick(**{**config.to_dict(), "seed": 1})
-    assert kept_models(other, {"ssm": first["training"]["ssm"]["options"]}) == {}  # another seed trains anew
+    assert kept_models(other, options) == {}  # another seed trains anew
+    assert list(kept_models(config, options)) == ["ssm"]
+    saved = json.loads((tmp_path / "compare.json").read_text())  # a run made when a default was other
+    saved["training"]["ssm"]["model_config"]["num_topics"] += 1
+    (tmp_path / "compare.json").write_text(json.dumps(saved))
+    assert kept_models(config, options) == {}  # the same options, another model: trained anew
     (tmp_path / "compare.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match="not a compare report"):
         kept_models(config, {})

@@ -7,7 +7,8 @@ r"""``sheafgnn compare``: sheaf vs dense, local and ssm at equal parameters, tok
     CompareConfig
       -> matched_options        sheaf width fixed; dense/local/ssm widths matched to its
                                 parameter count within 10% (printed)
-      -> a model already trained in out_dir/compare.json with the same settings is kept
+      -> a model already trained in out_dir/compare.json with the same settings and resolved
+         model config is kept
          (``reused`` in the report), so a run adds models or seeds to an earlier one
       -> per model, in a fresh process (spawn; --in-process for tests):
            lr sweep (optional)   training only, at every lr of ``lr_sweep`` for ``sweep_tokens``;
@@ -49,7 +50,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -250,6 +251,12 @@ def _fit(config: CompareConfig, kind: str, options: dict, lr: float, tokens: int
     return model, train(train_config, model=model), train_config
 
 
+def resolved_config(model: nn.Module) -> dict:
+    """Every field of ``model.config``, defaults included, as JSON values: what a kept run must match, since
+    a changed default changes the model without changing ``options``."""
+    return json.loads(json.dumps(asdict(model.config), default=str))
+
+
 def train_one(config: CompareConfig, kind: str, options: dict, lr: float | None = None) -> dict:
     """Train one model (``config.lr`` unless ``lr``) on ``config.tokens``; measure validation, training
     and inference speed and peak memory, inference on the trained weights."""
@@ -266,7 +273,8 @@ def train_one(config: CompareConfig, kind: str, options: dict, lr: float | None 
             **{f"{split}_windows_loss": _spread_loss(model, windows[split], tokenizer, config, device)
                for split in windows},
             **mem.as_dict("train_"), **_inference(model, windows["validation"], config, device),
-            "memory_method": mem.method, "options": options, "curve": _validation_curve(out / "metrics.csv"),
+            "memory_method": mem.method, "options": options, "model_config": resolved_config(model),
+            "curve": _validation_curve(out / "metrics.csv"),
             "by_distance": loss_by_distance(model, windows["validation"], config.batch_size,
                                             config.eval_batches * config.batch_size, device)}
 
@@ -400,8 +408,9 @@ def speed_ratios(sweep: dict[str, list[dict]], at: tuple[int, ...] = RATIO_AT) -
 
 def kept_models(config: CompareConfig, options: dict[str, dict]) -> dict[str, tuple[list[dict], dict]]:
     """The models of ``config`` already trained in ``out_dir/compare.json`` by a run with the same settings
-    (every field but :data:`SCHEDULING`), at the same options and with a finished lr sweep: {kind: (sweep
-    rows, training result)}, as :func:`_train_model` returns them."""
+    (every field but :data:`SCHEDULING`), at the same options and resolved model config (the code's defaults
+    included) and with a finished lr sweep: {kind: (sweep rows, training result)}, as :func:`_train_model`
+    returns them."""
     path = Path(config.out_dir) / "compare.json"
     if not path.exists():
         return {}
@@ -417,6 +426,8 @@ def kept_models(config: CompareConfig, options: dict[str, dict]) -> dict[str, tu
         return {}
     return {kind: (sweeps.get(kind, []), training[kind]) for kind in config.models
             if kind in training and training[kind]["options"] == options[kind]
+            and training[kind].get("model_config") == resolved_config(
+                build_model(kind, options[kind], 256, _site_of(kind, config)))
             and (not config.lr_sweep or next_rate(sweeps.get(kind, []), len(config.lr_sweep)) is None)}
 
 
