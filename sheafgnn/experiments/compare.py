@@ -8,8 +8,7 @@ r"""``sheafgnn compare``: sheaf vs dense, local and ssm at equal parameters, tok
       -> matched_options        sheaf width fixed; dense/local/ssm widths matched to its
                                 parameter count within 10% (printed)
       -> a model already trained in out_dir/compare.json with the same settings and resolved
-         model config is kept
-         (``reused`` in the report), so a run adds models or seeds to an earlier one
+         model config is kept (``reused`` in the report), so a run adds models to an earlier one
       -> per model, in a fresh process (spawn; --in-process for tests):
            lr sweep (optional)   training only, at every lr of ``lr_sweep`` for ``sweep_tokens``;
                                  a best lr at an edge widens the sweep on that side by the
