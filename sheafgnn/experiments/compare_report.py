@@ -74,6 +74,22 @@ def _equal_seconds_table(training: dict) -> list[str]:
     return lines
 
 
+def _lr_sweep_table(report: dict) -> list[str]:
+    """Validation bits/byte of every model at every rate its sweep tried: the configured ones, and those it
+    added beyond an edge where its best lay (none without a sweep)."""
+    if not report["lr_sweep"]:
+        return []
+    rates = sorted({row["lr"] for rows in report["lr_sweep"].values() for row in rows})
+    lines = ["", f"## Learning-rate sweep: validation bits/byte after "
+             f"{next(iter(report['lr_sweep'].values()))[0]['tokens']:,} tokens (the best trains in full; configured "
+             f"{', '.join(f'{lr:g}' for lr in report['config']['lr_sweep'])}, widened where the best lay at an edge)",
+             "", "| model | " + " | ".join(f"lr {lr:g}" for lr in rates) + " |", "|---|" + "---:|" * len(rates)]
+    for kind, rows in report["lr_sweep"].items():
+        score = {row["lr"]: row["val_bpb"] for row in rows}
+        lines.append(f"| {kind} | " + " | ".join(f"{score[lr]:.4f}" if lr in score else "-" for lr in rates) + " |")
+    return lines
+
+
 def markdown(report: dict) -> str:
     """The report as Markdown: training table, sweep table, ratios, caps and method."""
     training, sweep, caps = report["training"], report["sweep"], report["caps"]
@@ -103,19 +119,7 @@ def markdown(report: dict) -> str:
     if report.get("reused"):
         lines += ["", f"Kept from an earlier run of the same settings in this folder, not trained again: "
                   f"{', '.join(report['reused'])}."]
-    if report["lr_sweep"]:
-        # the configured rates, and those a sweep added beyond an edge where its best lay
-        rates = sorted({row["lr"] for rows in report["lr_sweep"].values() for row in rows})
-        lines += ["", f"## Learning-rate sweep: validation bits/byte after "
-                  f"{next(iter(report['lr_sweep'].values()))[0]['tokens']:,} tokens (the best trains in full; "
-                  f"configured {', '.join(f'{lr:g}' for lr in cfg['lr_sweep'])}, widened where the best lay at an "
-                  "edge)", "",
-                  "| model | " + " | ".join(f"lr {lr:g}" for lr in rates) + " |",
-                  "|---|" + "---:|" * len(rates)]
-        for kind, rows in report["lr_sweep"].items():
-            score = {row["lr"]: row["val_bpb"] for row in rows}
-            lines.append(f"| {kind} | " + " | ".join(f"{score[lr]:.4f}" if lr in score else "-" for lr in rates)
-                         + " |")
+    lines += _lr_sweep_table(report)
     lines += _equal_seconds_table(training)
     lines += _by_distance_table(training, cfg)
     kinds = list(sweep)
