@@ -298,16 +298,18 @@ def lr_sweep_one(config: CompareConfig, kind: str, options: dict) -> list[dict]:
     bits/byte and training seconds, sorted by lr."""
     tokens = config.sweep_tokens or max(1, config.tokens // 8)
     rows, final_only = [], replace(config, eval_points=1)  # a sweep run needs its last validation only
-    rates = list(config.lr_sweep)
-    while rates:
-        lr = rates.pop(0)
+
+    def fit(lr: float) -> None:
         _, r, _ = _fit(final_only, kind, options, lr, tokens, f"{kind}_lr{lr:g}")
-        rows = sorted(rows + [{"lr": lr, "tokens": r["tokens"], "val_bpb": r["val_bpb"],
-                               "train_elapsed_s": r["elapsed_s"]}], key=lambda row: row["lr"])
+        rows.append({"lr": lr, "tokens": r["tokens"], "val_bpb": r["val_bpb"], "train_elapsed_s": r["elapsed_s"]})
+        rows.sort(key=lambda row: row["lr"])
         print(f"  {kind} lr {lr:g}: {r['val_bpb']:.4f} bits/byte after {r['tokens']:,} tokens", flush=True)
-        if not rates and (wider := next_rate(rows, len(config.lr_sweep))) is not None:
-            print(f"  {kind}: the best lr lies at the edge of the sweep; widening it to {wider:.3g}", flush=True)
-            rates.append(wider)
+
+    for lr in config.lr_sweep:
+        fit(lr)
+    while (wider := next_rate(rows, len(config.lr_sweep))) is not None:
+        print(f"  {kind}: the best lr lies at the edge of the sweep; widening it to {wider:.3g}", flush=True)
+        fit(wider)
     return rows
 
 
