@@ -7,8 +7,9 @@ parameter count of the sheaf model (``sheafgnn.lm.matched_options``). Fresh rows
 batches of 32 rows, at most 3,000 steps, tested every 100 steps on 64 held-out rows and stopped at 0.99
 (Zoology's early stop)::
 
-    sweep      MQAR (128, 8), seed 0, each model at the 3 rates of RATES; a best rate at an edge of the sweep
-               widens it by one rate on that side (up to WIDEN times); the best trains every run after
+    sweep      MQAR (128, 8), seed 0, each model at the 3 rates of RATES; the best is the lowest rate that
+               passes 0.99 (else the most accurate); at an edge of the sweep it widens the sweep by one rate on
+               that side (up to WIDEN times); the best trains every run after
     sizes      MQAR (128, 8), (256, 16) and (512, 32), seeds 0-2; (256, 16) is also tested at 1,024 and 4,096
                tokens with the same pair density (length generalisation)
     scattered  scattered_recall (256, 16), seeds 0-2: binds anywhere in the row, queries at random distances
@@ -118,9 +119,19 @@ def final_accuracy(report: dict) -> tuple[float, int]:
     return model["accuracy"][str(task["train_len"])], model["steps"]
 
 
+def best_rate(scores: dict[float, tuple[float, int]], stop_accuracy: float) -> float:
+    """The lowest rate whose run reached ``stop_accuracy``, else the most accurate (then the fewest steps).
+
+    A run stops at its first test at or above ``stop_accuracy``, so the accuracies of passing runs are not ranked:
+    they differ by an answer or two of the test. Among them the fewest steps would take the largest rate, and
+    at (256, 16) seed 1 the largest passing rate of both the default (3e-3) and dense_conv (1e-2) stays on the
+    plateau while their lowest (1e-3, 3e-3) pass (docs/results.md#the-rate-of-a-sweep-the-lowest-that-passes)."""
+    passing = sorted(lr for lr, (accuracy, _) in scores.items() if accuracy >= stop_accuracy)
+    return passing[0] if passing else max(scores, key=lambda lr: (scores[lr][0], -scores[lr][1]))
+
+
 def sweep(out: Path, models: tuple[str, ...], jobs: int, budget: dict, sizes: dict) -> dict[str, float]:
-    """Each model's best rate on the first MQAR size at seed 0 (most accurate, then fewest steps), widened at an
-    edge."""
+    """Each model's rate on the first MQAR size at seed 0 (:func:`best_rate`), widened at an edge."""
     seq_len, pairs = sizes["mqar"][0]
     flags = task_flags("mqar", seq_len, pairs, sizes)
     rates = {m: list(RATES[m]) for m in models}
@@ -131,7 +142,7 @@ def sweep(out: Path, models: tuple[str, ...], jobs: int, budget: dict, sizes: di
         reports = runs_at_once(out, jobs, specs, budget)
         for m in [m for m in models if m not in best]:
             scores = {lr: final_accuracy(reports[run_name("mqar", seq_len, m, lr, 0)]) for lr in rates[m]}
-            top = max(rates[m], key=lambda lr: (scores[lr][0], -scores[lr][1]))
+            top = best_rate(scores, budget["stop_accuracy"])
             edge = rates[m].index(top) in (0, len(rates[m]) - 1) and len(set(scores.values())) > 1
             if not edge or len(rates[m]) >= len(RATES[m]) + WIDEN:
                 best[m] = top

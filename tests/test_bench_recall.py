@@ -17,7 +17,10 @@ def bench(monkeypatch):
     spec.loader.exec_module(module)
     accuracy = {("sheaf", 3e-4): 0.2, ("sheaf", 1e-3): 0.6, ("sheaf", 3e-3): 0.9, ("sheaf", 1e-2): 0.1,
                 ("dense_conv", 1e-3): 0.7, ("dense_conv", 3e-3): 0.8, ("dense_conv", 1e-2): 0.95,
-                ("dense_conv", 3e-2): 0.97, ("dense_conv", 1e-1): 0.99}
+                ("dense_conv", 3e-2): 0.97, ("dense_conv", 1e-1): 0.985,
+                # passing runs (>= 0.99, the stop): the lowest passing rate is the best, not the most accurate
+                ("dense", 1e-3): 0.5, ("dense", 3e-3): 0.991, ("dense", 1e-2): 0.999,
+                ("ssm", 3e-4): 0.3, ("ssm", 1e-3): 0.995, ("ssm", 3e-3): 0.999, ("ssm", 1e-2): 0.2}
     ran = []
 
     def fake_run(out, name, flags, budget):
@@ -52,3 +55,15 @@ def test_a_later_sweep_keeps_the_rates_of_models_swept_before(bench, tmp_path):
     rates = json.loads((tmp_path / "rates.json").read_text())
     assert rates["best"] == {"dense_conv": 1e-1, "sheaf": 3e-3}
     assert set(rates["swept"]) == {"dense_conv", "sheaf"}
+
+
+def test_the_best_rate_is_the_lowest_that_passes(bench, tmp_path):
+    module, ran = bench
+    assert module.sweep(tmp_path, ("dense",), 1, module.QUICK, module.SIZES) == {"dense": 3e-3}  # not 1e-2's 0.999
+    assert sorted(set(lr for _, lr in ran)) == [1e-3, 3e-3, 1e-2]  # inside: no widening
+
+
+def test_a_lowest_passing_rate_at_the_edge_widens_below(bench, tmp_path):
+    module, ran = bench
+    assert module.sweep(tmp_path, ("ssm",), 1, module.QUICK, module.SIZES) == {"ssm": 1e-3}
+    assert sorted(set(lr for _, lr in ran)) == [3e-4, 1e-3, 3e-3, 1e-2]  # 3e-4 fails: 1e-3 now lies inside
