@@ -246,7 +246,7 @@ def _fit(config: CompareConfig, kind: str, options: dict, lr: float, tokens: int
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     torch.manual_seed(config.seed)  # as train() does before build_model
-    model = build_model(kind, options, 256, train_config.site)
+    model = build_model(kind, options, ByteTokenizer.vocab_size, train_config.site)
     return model, train(train_config, model=model), train_config
 
 
@@ -347,7 +347,7 @@ def sweep_one(config: CompareConfig, kind: str, options: dict) -> list[dict]:
     site_config = SiteConfig.from_dict(_site_of(kind, config))
     ids = _sweep_ids(config, max(config.sweep))
     torch.manual_seed(config.seed)
-    model = build_model(kind, options, 256, _site_of(kind, config)).to(device).train()
+    model = build_model(kind, options, ByteTokenizer.vocab_size, _site_of(kind, config)).to(device).train()
     _fwd_bwd(model, ids, min(config.sweep), site_config, device)  # warm-up
     points, capped_at = [], None
     cap_bytes = config.memory_cap_gb * (1 << 30)
@@ -428,7 +428,7 @@ def kept_models(config: CompareConfig, options: dict[str, dict]) -> dict[str, tu
     return {kind: (sweeps.get(kind, []), training[kind]) for kind in config.models
             if kind in training and training[kind]["options"] == options[kind]
             and training[kind].get("model_config") == resolved_config(
-                build_model(kind, options[kind], 256, _site_of(kind, config)))
+                build_model(kind, options[kind], ByteTokenizer.vocab_size, _site_of(kind, config)))
             and (not config.lr_sweep or next_rate(sweeps.get(kind, []), len(config.lr_sweep)) is None)}
 
 
@@ -457,7 +457,7 @@ def run_compare(config: CompareConfig) -> dict:
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sheaf_options = {"d_model": config.d_model, "n_layers": config.n_layers, **config.sheaf}
-    options, counts = matched_options(config.models, sheaf_options, 256, n_heads=config.n_heads,
+    options, counts = matched_options(config.models, sheaf_options, ByteTokenizer.vocab_size, n_heads=config.n_heads,
                                       window=config.window, site=config.site, tolerance=config.tolerance)
     print_parameter_counts(options, counts)
     kept = kept_models(config, options)
