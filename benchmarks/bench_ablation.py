@@ -63,7 +63,7 @@ from sheafgnn.data import corpus_ids
 from sheafgnn.experiments.report import pyplot, write_json, write_report
 from sheafgnn.lm import matched_options
 from sheafgnn.model import SheafStateConfig
-from sheafgnn.site import SiteConfig, build_site
+from sheafgnn.site import ByteTokenizer, SiteConfig, build_site
 from sheafgnn.site.schema import PATCH_TYPES
 from sheafgnn.train import TrainConfig, train
 
@@ -81,7 +81,7 @@ def variants(d_model: int, patch_types: list[str]) -> dict[str, dict]:
     """Name -> {model, model_config, site} of every variant (one per patch type of ``patch_types``)."""
     model = {"d_model": d_model, "n_layers": 2}
     default = SheafStateConfig()
-    matched = matched_options(("ssm",), model, 256, n_heads=4, window=256)[0]["ssm"]  # byte vocabulary
+    matched = matched_options(("ssm",), model, ByteTokenizer.vocab_size, n_heads=4, window=256)[0]["ssm"]
     out = {"full": {"model": "sheaf", "model_config": model, "site": {}},
            "ssm": {"model": "ssm", "model_config": model, "site": {"patch_types": []}},
            "ssm_matched": {"model": "ssm", "model_config": matched, "site": {"patch_types": []}},

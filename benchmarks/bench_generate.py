@@ -59,7 +59,7 @@ from sheafgnn.experiments.report import pyplot, save_figure
 from sheafgnn.generation import sample_next
 from sheafgnn.lm import build_model, matched_options
 from sheafgnn.model import SheafStateConfig
-from sheafgnn.site import build_site
+from sheafgnn.site import ByteTokenizer, build_site
 
 
 def held_bytes(obj, seen: set | None = None) -> int:
@@ -190,11 +190,12 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     options, counts = matched_options(("sheaf", "dense"), {"d_model": SheafStateConfig().d_model, "n_layers": 2},
-                                      256, n_heads=4, window=256)
+                                      ByteTokenizer.vocab_size, n_heads=4, window=256)
     models = {}
     for kind in ("sheaf", "dense"):
         torch.manual_seed(0)
-        models[kind] = build_model(kind, options[kind], 256, {} if kind == "sheaf" else {"patch_types": []}).eval()
+        site = {} if kind == "sheaf" else {"patch_types": []}
+        models[kind] = build_model(kind, options[kind], ByteTokenizer.vocab_size, site).eval()
     ids = corpus_ids(max(args.sizes + args.rebuild_sizes) + args.batch)
     rows = []
     for n in sorted(set(args.sizes) | set(args.rebuild_sizes)):  # the rebuild path is compared at its sizes

@@ -82,7 +82,7 @@ from sheafgnn.nn.proposals import content_blocks
 from sheafgnn.nn.segment import HAS_TORCH_SCATTER, segment_sum, sort_by_destination, use_backend
 from sheafgnn.nn.sheaf import SheafConv
 from sheafgnn.optim import make_optimizer
-from sheafgnn.site import SiteBuilder, SiteConfig, build_site
+from sheafgnn.site import ByteTokenizer, SiteBuilder, SiteConfig, build_site
 from sheafgnn.train import train_step
 
 # The default sheaf model before its topology normalised its queries and keys (the default of 373e718). Step 5
@@ -160,15 +160,15 @@ def proposal_cost(sizes: list[int], config: SheafStateConfig, repeats: int) -> l
 def compare_options() -> tuple[dict, dict]:
     """The compare's sizes (the default sheaf model, 2 layers; dense matched to its parameters within 10%):
     model options and parameter counts per kind."""
-    return matched_options(("sheaf", "dense"), {"d_model": SheafStateConfig().d_model, "n_layers": 2}, 256,
-                           n_heads=4, window=256)
+    return matched_options(("sheaf", "dense"), {"d_model": SheafStateConfig().d_model, "n_layers": 2},
+                           ByteTokenizer.vocab_size, n_heads=4, window=256)
 
 
 def compare_model(kind: str, extra: dict | None = None) -> tuple[torch.nn.Module, SiteConfig]:
     """A freshly seeded sheaf or dense model at the compare's size, in training mode, and its site config."""
     torch.manual_seed(0)
     site = {} if kind == "sheaf" else {"patch_types": []}  # dense reads the token ids only
-    model = build_model(kind, {**compare_options()[0][kind], **(extra or {})}, 256, site).train()
+    model = build_model(kind, {**compare_options()[0][kind], **(extra or {})}, ByteTokenizer.vocab_size, site).train()
     return model, SiteConfig.from_dict(site)
 
 

@@ -62,6 +62,7 @@ from sheafgnn.data import scored_batches
 from sheafgnn.lm import build_model
 from sheafgnn.nn.quant import apply_quant
 from sheafgnn.quantized import export_quantized, load_quantized, model_bytes
+from sheafgnn.site import ByteTokenizer
 from sheafgnn.train import TrainConfig, build_datasets, evaluate, train
 
 VARIANTS = {
@@ -119,7 +120,7 @@ def timed_bpb(model, batches) -> tuple[float, float]:
 
 
 def trained_model(config: TrainConfig, checkpoint: str):
-    model = build_model(config.model, config.model_config, 256, config.site)
+    model = build_model(config.model, config.model_config, ByteTokenizer.vocab_size, config.site)
     ckpt.load_checkpoint(checkpoint, model)
     return model.eval()
 
