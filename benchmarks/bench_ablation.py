@@ -28,6 +28,8 @@ variants with one part changed, each at every seed of ``--seeds``, on the same t
                             (gluing.projections)
     explore                 Gumbel-top-k in training (topology.explore 1; if the default explores, 0): the kept
                             candidates sampled from the softmax of their scores instead of the top k
+    key_previous_init       the previous-token key projection starting the other way (topology.key_previous_init:
+                            a copy of the query's weights, or its own draw)
     rezero_gate             the broadcast gate starting at 0 and learning at the weights' rate (gluing.gate_init 0,
                             gate_scale 1: ReZero); if the default is that, at 0.1 and 10 times the rate
 
@@ -104,6 +106,8 @@ def variants(d_model: int, patch_types: list[str]) -> dict[str, dict]:
                "pool_loss": {"topology": {"pool_loss_weight": 0.0 if default.topology.pool_loss_weight else 1.0}},
                "explore": {"topology": {"explore": 0.0 if default.topology.explore else 1.0}},
                "projections": {"gluing": {"projections": not default.gluing.projections}},
+               "key_previous_init": {"topology": {"key_previous_init": "random" if default.topology.key_previous_init
+                                                  == "query" else "query"}},
                "rezero_gate": {"gluing": {"gate_init": 0.0, "gate_scale": 1.0} if default.gluing.gate_init
                                else {"gate_init": 0.1, "gate_scale": 10.0}}}
     for name, change in changes.items():

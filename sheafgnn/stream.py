@@ -272,7 +272,7 @@ class SheafStream(TokenStream):
                      rule_dst: np.ndarray, rule_type: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The candidates of the new outputs that are the same in every block: their position proposals
         (:meth:`LearnedTopology.position_proposals`; every block's topology has the model's proposal
-        settings) as cache rows, then their rule pools (:func:`~sheafgnn.nn.topology.rule_pools`, the
+        settings) as cache rows, then their rule pools (:func:`~sheafgnn.nn.pools.rule_pools`, the
         edges of each output in order); (M, P1 + W) each (-1: none)."""
         near = self._position_proposals(pos)  # (M, P1) positions
         near = np.where(near >= 0, token_rows[np.maximum(near, 0), stream[:, None]], -1)

@@ -21,9 +21,9 @@ from sheafgnn.model import SheafStateConfig, SheafStateLM
 from sheafgnn.nn import experts as experts_module
 from sheafgnn.nn.experts import ExpertsConfig, FeedForward, PatchExperts, _LeanFeedForward, feed_forward_reference
 from sheafgnn.nn.quant import QuantConfig
-from sheafgnn.nn.segment import use_backend
+from sheafgnn.nn.segment import topk_per_group, use_backend
 from sheafgnn.nn.ssm import SSMConfig
-from sheafgnn.nn.topology import TopologyConfig, topk_per_group
+from sheafgnn.nn.topology import TopologyConfig
 from sheafgnn.site import CANDIDATE_EDGES, SiteConfig, build_site
 from sheafgnn.site.schema import GLUE_EDGES
 

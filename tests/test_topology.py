@@ -271,7 +271,7 @@ def test_topology_input_and_repr(full_config):
     assert isinstance(topo, LearnedTopology) and topo.sink.numel() == len(FLAT_TYPES)
     assert str(topo) == (f"LearnedTopology(32, num_edge_types={len(GLUE_EDGES)}, k=8, qk_norm=True, content_blocks=16, "
                          "block_size=4, random_proposals=4, block_scorer=False, block_summary='bounds', "
-                         "sink_threshold=False, explore=0.0)")
+                         "sink_threshold=False, explore=0.0, key_previous_init='random')")
     with pytest.raises(ValueError, match="block_summary must be one of"):
         LearnedTopology(32, 3, 2, k=1, content_type=1, random_type=2, block_summary="max")
     with pytest.raises(ValueError, match="k, rank and block_size"):
@@ -508,6 +508,41 @@ def test_explore_samples_the_kept_set_in_training_only():
         LearnedTopology(8, 3, 2, k=2, content_type=1, random_type=2, explore=-1.0)
     with pytest.raises(ValueError, match="explore must be >= 0"):
         TopologyConfig(explore=-1.0)
+
+
+def test_key_previous_init_query_ranks_the_token_after_a_match_high():
+    """key_previous_init="query": W_k' starts as a copy of W_q (the block scorer's too) and every other weight as
+    under "random"; so at init the key of a token whose predecessor is v's token scores high against v's query,
+    where under "random" it scores as any other."""
+    def build(init: str) -> LearnedTopology:
+        torch.manual_seed(0)
+        return LearnedTopology(32, 3, 2, k=2, content_type=1, random_type=2, block_scorer=True,
+                               key_previous_init=init)
+
+    random_init, query_init = build("random"), build("query")
+    assert torch.equal(query_init.key_previous.weight, query_init.query.weight)
+    assert torch.equal(query_init.block_key_previous.weight, query_init.block_query.weight)
+    assert not torch.equal(random_init.key_previous.weight, random_init.query.weight)
+    for name in ("query", "key", "block_query", "block_key"):  # the draws are those of "random"
+        assert torch.equal(getattr(query_init, name).weight, getattr(random_init, name).weight)
+    query_init.key_previous.weight.data.zero_()
+    query_init.reset_parameters()  # ties again
+    assert torch.equal(query_init.key_previous.weight, query_init.query.weight)
+
+    x, x_before = torch.randn(2, 256, 32).unbind(0)  # (256, D): a destination v and a token u after u - 1
+    def scores(topo: LearnedTopology, previous: torch.Tensor) -> torch.Tensor:
+        q = topo.query_norm(topo.query(x))
+        k = topo.key_norm(topo.key(x_before) + topo.key_previous(previous))
+        return (q * k).sum(-1) / topo.rank ** 0.5  # (256,)
+    with torch.no_grad():  # u - 1 is v's token, or another's; a score lies within +-sqrt(r) = +-4
+        gain = {init: scores(topo, x) - scores(topo, x.roll(1, 0)) for init, topo in
+                (("random", random_init), ("query", query_init))}
+    assert gain["query"].mean() > 2.0 and (gain["query"] > 0).float().mean() > 0.95
+    assert gain["random"].mean().abs() < 0.5 and 0.2 < (gain["random"] > 0).float().mean() < 0.8  # a coin flip
+    with pytest.raises(ValueError, match="key_previous_init must be one of"):
+        LearnedTopology(8, 3, 2, k=2, content_type=1, random_type=2, key_previous_init="key")
+    with pytest.raises(ValueError, match="key_previous_init must be one of"):
+        TopologyConfig(key_previous_init="copy")
 
 
 def test_explore_keeps_only_pool_members(full_config):

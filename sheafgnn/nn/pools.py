@@ -8,6 +8,8 @@ function that keeps the indices only::
     pool_read(weight, x, sources)   out_m = sum_p w_mp x_{s_mp}      gradient to the weights only
     pool_dot(q, k, sources)         dot_mp = <q_m, k_{s_mp}>          gradients to q and k
 
+and :func:`rule_pools`, which lays candidates listed edge by edge out as such pools.
+
 Where :func:`~sheafgnn.nn.segment.use_spmm`, torch-sparse's CSR SpMM (a pool is a CSR matrix with P
 entries per row) runs ``pool_read``'s forward and ``pool_dot``'s backward; elsewhere they gather (in
 chunks of rows for ``pool_read``). Each is tested against its plain gather composition.
@@ -18,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sheafgnn.nn.segment import csr_transpose, use_spmm
+from sheafgnn.nn.segment import csr_transpose, ptr_from_index, use_spmm
 
 POOL_CHUNK_ELEMENTS = 1 << 20  # gathered candidate states per chunk of pool_read (4 MiB in float32)
 
@@ -152,3 +154,26 @@ def pool_dot(q: Tensor, k: Tensor, sources: Tensor) -> Tensor:
     if not torch.is_grad_enabled() and _pool_chunk(sources, k) >= sources.size(0):  # e.g. a generation step
         return torch.bmm(k[sources], q.unsqueeze(2)).squeeze(2)  # one chunk: the function's call costs more
     return _PoolDot.apply(q, k, sources)
+
+
+def rule_pools(src: Tensor, dst: Tensor, edge_type: Tensor, num_dst: int) -> tuple[Tensor, Tensor]:
+    """Rule candidates listed edge by edge -> one padded row per destination.
+
+    Args:
+        src (Tensor): (E,) source of each candidate.
+        dst (Tensor): (E,) its destination in ``[0, num_dst)``, sorted.
+        edge_type (Tensor): (E,)
+        num_dst (int): destinations.
+
+    Returns:
+        sources (num_dst, W) (-1: padding) and their edge types (num_dst, W), in edge order;
+        W is the largest in-degree.
+    """
+    ptr = ptr_from_index(dst, num_dst)
+    width = int(ptr.diff().max()) if num_dst else 0
+    slot = torch.arange(src.numel(), device=src.device) - ptr[dst]
+    sources = torch.full((num_dst, width), -1, dtype=torch.long, device=src.device)
+    sources[dst, slot] = src
+    types = torch.zeros_like(sources)
+    types[dst, slot] = edge_type
+    return sources, types

@@ -30,6 +30,9 @@ a ``(S, *)`` tensor once per row of segment ``s``
 ``segment_mean`` is ``segment_sum`` divided by the clamped segment length on
 both backends (so an empty segment gives 0, and no backend-specific mean
 kernel is involved).
+
+``topk_per_group`` keeps the ``k`` highest of each group's rows (a sort, no backend): the competition of
+:class:`~sheafgnn.nn.topology.LearnedTopology` over candidates listed edge by edge.
 """
 from __future__ import annotations
 
@@ -324,3 +327,29 @@ def segment_gather(src: Tensor, ptr: Tensor, num_rows: int) -> Tensor:
         return _torch_scatter.gather_csr(src, ptr.long())
     return torch.repeat_interleave(src, ptr.diff(), dim=0,
                                    output_size=num_rows)
+
+
+def topk_per_group(score: Tensor, group: Tensor, k: int) -> Tensor:
+    """Mask of the ``k`` highest scores within each group (ties: lower index first).
+
+    Args:
+        score (Tensor): (E,) scores.
+        group (Tensor): (E,) group ids (e.g. destinations).
+        k (int): edges kept per group.
+
+    Returns:
+        keep (BoolTensor): (E,).
+    """
+    if score.numel() == 0:
+        return torch.zeros(0, dtype=torch.bool, device=score.device)
+    by_score = torch.sort(score.detach(), descending=True, stable=True).indices  # (E,)
+    by_group = torch.sort(group[by_score], stable=True).indices
+    order = by_score[by_group]  # sorted by (group, -score)
+    sorted_group = group[order]
+    starts = torch.ones_like(sorted_group, dtype=torch.bool)
+    starts[1:] = sorted_group[1:] != sorted_group[:-1]
+    position = torch.arange(order.numel(), device=score.device)
+    first = torch.where(starts, position, 0).cummax(0).values
+    keep = torch.empty_like(starts)
+    keep[order] = position - first < k
+    return keep

@@ -60,20 +60,23 @@ from torch import Tensor, nn
 from torch_geometric.utils import softmax as segment_softmax
 
 from sheafgnn.config import ConfigFile
-from sheafgnn.nn.pools import pool_dot, pool_read
+from sheafgnn.nn.pools import pool_dot, pool_read, rule_pools
 from sheafgnn.nn.proposals import BLOCK_SUMMARIES, block_summaries, content_blocks, random_proposals, summary_query
-from sheafgnn.nn.segment import ptr_from_index
+from sheafgnn.nn.segment import ptr_from_index, topk_per_group
 from sheafgnn.nn.topology_step import TopologyStep
 
 SINK_THRESHOLD_INIT = -4.0  # the "nothing" logit at init under sink_threshold
+KEY_PREVIOUS_INITS = ("random", "query")  # how W_k' starts: its own draw, or a copy of W_q
 
 
 def check_topology(owner: str, k: int, rank: int, content_blocks: int, block_size: int, random_proposals: int,
-                   block_summary: str, explore: float) -> None:
+                   block_summary: str, explore: float, key_previous_init: str) -> None:
     """The arguments :class:`LearnedTopology` takes, checked for it and for :class:`TopologyConfig` (``owner`` names
     the caller in the error)."""
     if block_summary not in BLOCK_SUMMARIES:
         raise ValueError(f"{owner}: block_summary must be one of {BLOCK_SUMMARIES} (got {block_summary!r})")
+    if key_previous_init not in KEY_PREVIOUS_INITS:
+        raise ValueError(f"{owner}: key_previous_init must be one of {KEY_PREVIOUS_INITS} (got {key_previous_init!r})")
     if k < 1 or rank < 1 or block_size < 1:
         raise ValueError(f"{owner}: k, rank and block_size must be >= 1 (got {k}, {rank}, {block_size})")
     if min(content_blocks, random_proposals, explore) < 0:
@@ -107,12 +110,15 @@ class TopologyConfig(ConfigFile):
     # Gumbel-top-k in training (0: off): the kept k sampled from softmax(score / explore), so that a candidate ranked
     # just below the k is still kept at times, and gets a gradient
     explore: float = 0.0
+    # how the previous-token key projection W_k' starts: "random" (its own draw) or "query" (a copy of W_q, so that
+    # the token after an earlier occurrence of v's token starts with a high score: the recall path exists at init)
+    key_previous_init: str = "random"
     pool_loss_weight: float = 0.0  # next-token loss read from each block's whole pools (trains the choice; 0: off)
     keep_cost: float = 0.0  # this weight times the expected kept edges per node (sigmoid(s_e - s_sink))
 
     def __post_init__(self) -> None:
         check_topology("TopologyConfig", self.k, self.rank, self.content_blocks, self.block_size,
-                       self.random_proposals, self.block_summary, self.explore)
+                       self.random_proposals, self.block_summary, self.explore, self.key_previous_init)
         if min(self.pool_loss_weight, self.block_loss_weight, self.keep_cost) < 0:
             raise ValueError(f"TopologyConfig: pool_loss_weight, block_loss_weight and keep_cost must be >= 0 "
                              f"(got {self.pool_loss_weight}, {self.block_loss_weight} and {self.keep_cost})")
@@ -124,56 +130,8 @@ class TopologyConfig(ConfigFile):
                                rank=self.rank, qk_norm=self.qk_norm, content_blocks=self.content_blocks,
                                block_size=self.block_size, random_proposals=self.random_proposals,
                                block_scorer=self.block_scorer, block_summary=self.block_summary,
-                               sink_threshold=self.sink_threshold, explore=self.explore)
-
-
-def topk_per_group(score: Tensor, group: Tensor, k: int) -> Tensor:
-    """Mask of the ``k`` highest scores within each group (ties: lower index first).
-
-    Args:
-        score (Tensor): (E,) scores.
-        group (Tensor): (E,) group ids (e.g. destinations).
-        k (int): edges kept per group.
-
-    Returns:
-        keep (BoolTensor): (E,).
-    """
-    if score.numel() == 0:
-        return torch.zeros(0, dtype=torch.bool, device=score.device)
-    by_score = torch.sort(score.detach(), descending=True, stable=True).indices  # (E,)
-    by_group = torch.sort(group[by_score], stable=True).indices
-    order = by_score[by_group]  # sorted by (group, -score)
-    sorted_group = group[order]
-    starts = torch.ones_like(sorted_group, dtype=torch.bool)
-    starts[1:] = sorted_group[1:] != sorted_group[:-1]
-    position = torch.arange(order.numel(), device=score.device)
-    first = torch.where(starts, position, 0).cummax(0).values
-    keep = torch.empty_like(starts)
-    keep[order] = position - first < k
-    return keep
-
-
-def rule_pools(src: Tensor, dst: Tensor, edge_type: Tensor, num_dst: int) -> tuple[Tensor, Tensor]:
-    """Rule candidates listed edge by edge -> one padded row per destination.
-
-    Args:
-        src (Tensor): (E,) source of each candidate.
-        dst (Tensor): (E,) its destination in ``[0, num_dst)``, sorted.
-        edge_type (Tensor): (E,)
-        num_dst (int): destinations.
-
-    Returns:
-        sources (num_dst, W) (-1: padding) and their edge types (num_dst, W), in edge order;
-        W is the largest in-degree.
-    """
-    ptr = ptr_from_index(dst, num_dst)
-    width = int(ptr.diff().max()) if num_dst else 0
-    slot = torch.arange(src.numel(), device=src.device) - ptr[dst]
-    sources = torch.full((num_dst, width), -1, dtype=torch.long, device=src.device)
-    sources[dst, slot] = src
-    types = torch.zeros_like(sources)
-    types[dst, slot] = edge_type
-    return sources, types
+                               sink_threshold=self.sink_threshold, explore=self.explore,
+                               key_previous_init=self.key_previous_init)
 
 
 @dataclass
@@ -253,6 +211,11 @@ class LearnedTopology(TopologyStep, nn.Module):
             :math:`g_e` Gumbel noise and :math:`\tau` = ``explore`` (Gumbel-top-k: a sample of :math:`k`
             without replacement from :math:`\mathrm{softmax}(s / \tau)`); :math:`\alpha_e` stays the softmax of
             the scores. Evaluation and the stream take the top :math:`k`. 0 switches it off. (default: :obj:`0`)
+        key_previous_init (str, optional): how :math:`\mathbf{W}'_k` starts: :obj:`"random"` (its own draw) or
+            :obj:`"query"` (a copy of :math:`\mathbf{W}_q`; the block scorer's :math:`\mathbf{W}'_{bk}` a copy of
+            :math:`\mathbf{W}_{bq}`), so that at init :math:`\langle \mathbf{q}_v, \mathbf{k}_u \rangle` holds
+            :math:`\lVert \mathbf{W}_q \mathbf{x}_v \rVert^2` where token :math:`u - 1` is :math:`v`'s token: the
+            token after an earlier occurrence of :math:`v`'s own starts ranked high. (default: :obj:`"random"`)
 
     Shapes:
         - **input:** node features :math:`(N, D)`, a :class:`TopologyInput`
@@ -268,11 +231,13 @@ class LearnedTopology(TopologyStep, nn.Module):
                  seed: int = 0, block_scorer: bool = TopologyConfig.block_scorer,
                  block_summary: str = TopologyConfig.block_summary,
                  sink_threshold: bool = TopologyConfig.sink_threshold,
-                 explore: float = TopologyConfig.explore) -> None:
+                 explore: float = TopologyConfig.explore,
+                 key_previous_init: str = TopologyConfig.key_previous_init) -> None:
         # the defaults are TopologyConfig's: one place says what the default topology is
         super().__init__()
         name = self.__class__.__name__
-        check_topology(name, k, rank, content_blocks, block_size, random_proposals, block_summary, explore)
+        check_topology(name, k, rank, content_blocks, block_size, random_proposals, block_summary, explore,
+                       key_previous_init)
         if not (0 <= content_type < num_edge_types and 0 <= random_type < num_edge_types):
             raise ValueError(f"{name}: content_type and random_type must be edge types in [0, {num_edge_types}) "
                              f"(got {content_type} and {random_type})")
@@ -280,6 +245,7 @@ class LearnedTopology(TopologyStep, nn.Module):
         self.content_blocks, self.block_size, self.block_summary = content_blocks, block_size, block_summary
         self.random_proposals, self.seed, self.sink_threshold = random_proposals, seed, sink_threshold
         self.explore, self._noise = explore, None  # the noise's own generator: it leaves the global one alone
+        self.key_previous_init = key_previous_init
         self.content_type, self.random_type = content_type, random_type
         self.query = nn.Linear(channels, rank, bias=False)
         self.key = nn.Linear(channels, rank, bias=False)
@@ -306,6 +272,11 @@ class LearnedTopology(TopologyStep, nn.Module):
         if self.block_scorer:
             for linear in (self.block_query, self.block_key, self.block_key_previous):
                 linear.reset_parameters()
+        if self.key_previous_init == "query":  # after the draws above: the other weights are those of "random"
+            with torch.no_grad():
+                self.key_previous.weight.copy_(self.query.weight)
+                if self.block_scorer:
+                    self.block_key_previous.weight.copy_(self.block_query.weight)
         nn.init.zeros_(self.type_bias)
         # Under the threshold a destination starts with full-strength messages from its k best (the nothing
         # logit below every score at init; at 0 about half the candidates would be cut from the first step).
@@ -593,4 +564,5 @@ class LearnedTopology(TopologyStep, nn.Module):
         return (f"{self.__class__.__name__}({self.channels}, num_edge_types={self.num_edge_types}, k={self.k}, "
                 f"qk_norm={self.qk_norm}, content_blocks={self.content_blocks}, block_size={self.block_size}, "
                 f"random_proposals={self.random_proposals}, block_scorer={self.block_scorer}, "
-                f"block_summary={self.block_summary!r}, sink_threshold={self.sink_threshold}, explore={self.explore})")
+                f"block_summary={self.block_summary!r}, sink_threshold={self.sink_threshold}, explore={self.explore}, "
+                f"key_previous_init={self.key_previous_init!r})")
