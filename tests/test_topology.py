@@ -271,7 +271,7 @@ def test_topology_input_and_repr(full_config):
     assert isinstance(topo, LearnedTopology) and topo.sink.numel() == len(FLAT_TYPES)
     assert str(topo) == (f"LearnedTopology(32, num_edge_types={len(GLUE_EDGES)}, k=8, qk_norm=True, content_blocks=16, "
                          "block_size=4, random_proposals=4, block_scorer=False, block_summary='bounds', "
-                         "sink_threshold=False, explore=0.0, key_previous_init='random')")
+                         "sink_threshold=False, explore=0.0, key_previous_init='query')")
     with pytest.raises(ValueError, match="block_summary must be one of"):
         LearnedTopology(32, 3, 2, k=1, content_type=1, random_type=2, block_summary="max")
     with pytest.raises(ValueError, match="k, rank and block_size"):
