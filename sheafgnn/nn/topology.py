@@ -112,9 +112,9 @@ class TopologyConfig(ConfigFile):
     explore: float = 0.0
     # how the previous-token key projection W_k' starts: "random" (its own draw) or "query" (a copy of W_q, so that
     # the token after an earlier occurrence of v's token starts with a high score: the recall path exists at init).
-    # "query": MQAR (512, 32) at lr 1e-3 passes seeds 1 and 2 (0.999 at 1,300 / 1.000 at 1,600 steps), which
-    # "random" fails (0.028 / 0.029), and text is level (-0.004, in the spread; docs/results.md#the-previous-token-
-    # key-starts-as-the-query)
+    # "query": MQAR (512, 32) at lr 1e-3 passes seeds 0, 1 and 2 (0.997 / 0.999 / 1.000 at 1,700 / 1,300 / 1,600
+    # steps), where "random" fails seeds 1 and 2 (0.028 / 0.029), and text is level (-0.004, in the spread;
+    # docs/results.md#the-previous-token-key-starts-as-the-query)
     key_previous_init: str = "query"
     pool_loss_weight: float = 0.0  # next-token loss read from each block's whole pools (trains the choice; 0: off)
     keep_cost: float = 0.0  # this weight times the expected kept edges per node (sigmoid(s_e - s_sink))
