@@ -55,11 +55,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sheafgnn.data import corpus_ids
+from sheafgnn.experiments.compare import CompareConfig, compare_model, compare_options
 from sheafgnn.experiments.report import pyplot, save_figure
 from sheafgnn.generation import sample_next
-from sheafgnn.lm import build_model, matched_options
-from sheafgnn.model import SheafStateConfig
-from sheafgnn.site import ByteTokenizer, build_site
+from sheafgnn.site import build_site
 
 
 def held_bytes(obj, seen: set | None = None) -> int:
@@ -189,13 +188,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    options, counts = matched_options(("sheaf", "dense"), {"d_model": SheafStateConfig().d_model, "n_layers": 2},
-                                      ByteTokenizer.vocab_size, n_heads=4, window=256)
-    models = {}
-    for kind in ("sheaf", "dense"):
-        torch.manual_seed(0)
-        site = {} if kind == "sheaf" else {"patch_types": []}
-        models[kind] = build_model(kind, options[kind], ByteTokenizer.vocab_size, site).eval()
+    compare = CompareConfig(models=("sheaf", "dense"))
+    options, counts = compare_options(compare)
+    models = {kind: compare_model(compare, kind, options[kind])[0].eval() for kind in compare.models}
     ids = corpus_ids(max(args.sizes + args.rebuild_sizes) + args.batch)
     rows = []
     for n in sorted(set(args.sizes) | set(args.rebuild_sizes)):  # the rebuild path is compared at its sizes

@@ -72,8 +72,8 @@ import torch
 from torch_geometric.loader import DataLoader
 
 from sheafgnn.data import WindowDataset, corpus_ids
+from sheafgnn.experiments.compare import CompareConfig, compare_model, compare_options
 from sheafgnn.experiments.report import pyplot, save_figure
-from sheafgnn.lm import build_model, matched_options
 from sheafgnn.memory import PeakMemory, tune_cpu
 from sheafgnn.model import SheafStateConfig, SheafStateLM
 from sheafgnn.nn import cpu_kernels
@@ -82,7 +82,7 @@ from sheafgnn.nn.proposals import content_blocks
 from sheafgnn.nn.segment import HAS_TORCH_SCATTER, segment_sum, sort_by_destination, use_backend
 from sheafgnn.nn.sheaf import SheafConv
 from sheafgnn.optim import make_optimizer
-from sheafgnn.site import ByteTokenizer, SiteBuilder, SiteConfig, build_site
+from sheafgnn.site import SiteBuilder, SiteConfig, build_site
 from sheafgnn.train import train_step
 
 # The default sheaf model before its topology normalised its queries and keys (the default of 373e718). Step 5
@@ -156,20 +156,21 @@ def proposal_cost(sizes: list[int], config: SheafStateConfig, repeats: int) -> l
     return rows
 
 
+# The compare's sizes: the default sheaf model, 2 layers; dense matched to its parameters within 10%.
+COMPARE = CompareConfig(models=("sheaf", "dense"))
+
+
 @functools.cache
-def compare_options() -> tuple[dict, dict]:
-    """The compare's sizes (the default sheaf model, 2 layers; dense matched to its parameters within 10%):
-    model options and parameter counts per kind."""
-    return matched_options(("sheaf", "dense"), {"d_model": SheafStateConfig().d_model, "n_layers": 2},
-                           ByteTokenizer.vocab_size, n_heads=4, window=256)
+def matched() -> tuple[dict, dict]:
+    """:func:`~sheafgnn.experiments.compare.compare_options` of :data:`COMPARE`, matched once per process."""
+    return compare_options(COMPARE)
 
 
-def compare_model(kind: str, extra: dict | None = None) -> tuple[torch.nn.Module, SiteConfig]:
-    """A freshly seeded sheaf or dense model at the compare's size, in training mode, and its site config."""
-    torch.manual_seed(0)
-    site = {} if kind == "sheaf" else {"patch_types": []}  # dense reads the token ids only
-    model = build_model(kind, {**compare_options()[0][kind], **(extra or {})}, ByteTokenizer.vocab_size, site).train()
-    return model, SiteConfig.from_dict(site)
+def sized_model(kind: str, extra: dict | None = None) -> tuple[torch.nn.Module, SiteConfig]:
+    """A freshly seeded sheaf or dense model at the compare's size (``extra``: further options), in training
+    mode, and its site config."""
+    model, site = compare_model(COMPARE, kind, {**matched()[0][kind], **(extra or {})})
+    return model.train(), site
 
 
 def fwd_bwd(kind: str, n: int, repeats: int, extra: dict | None = None, memory: bool = True) -> dict:
@@ -188,7 +189,7 @@ def fwd_bwd_here(kind: str, n: int, repeats: int, extra: dict, memory: bool) -> 
     trims the heap first, so that step pays cold pages)."""
     tune_cpu()  # what the sheafgnn command and the training loop do: both kinds alike
     ids = corpus_ids(n + 1)
-    model, site = compare_model(kind, extra)
+    model, site = sized_model(kind, extra)
     data = build_site(ids[:n], site)
     data["token"].y = ids[1 : n + 1]
 
@@ -209,7 +210,7 @@ def sheaf_vs_dense(n: int, repeats: int) -> dict:
     """Forward+backward time (best of ``repeats``) and peak extra memory of one n-token window (after a warm-up step),
     sheaf (as built, with ``recompute_ssm``, with ``checkpoint_blocks`` and as :data:`PREVIOUS_DEFAULT`) against
     dense at matched parameters."""
-    options, counts = compare_options()
+    options, counts = matched()
     out = {"n": n, "params": {k: counts[k] for k in ("sheaf", "dense")},
            "d_model": {k: options[k]["d_model"] for k in ("sheaf", "dense")}}
     runs = (("sheaf", "sheaf", {}), ("sheaf_recompute_ssm", "sheaf", {"ssm": {"recompute": True}}),
@@ -268,7 +269,7 @@ def train_throughput(context: int, batch_size: int, steps: int, rounds: int) -> 
     out = {"context": context, "batch_size": batch_size, "steps": steps, "rounds": rounds}
     runs = {}
     for kind in ("sheaf", "dense"):
-        model, site = compare_model(kind)
+        model, site = sized_model(kind)
         optimizer = make_optimizer(model, lr=1e-3, weight_decay=0.1)
         batches = iter(DataLoader(WindowDataset(ids, context, SiteBuilder(site)), batch_size=batch_size))
         train_step(model, next(batches), optimizer, lr=1e-3, grad_clip=1.0)  # warm-up

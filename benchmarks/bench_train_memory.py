@@ -49,12 +49,11 @@ import torch
 from torch_geometric.loader import DataLoader
 
 from sheafgnn.data import WindowDataset, corpus_ids
+from sheafgnn.experiments.compare import CompareConfig, compare_model, compare_options
 from sheafgnn.experiments.report import pyplot, save_figure
-from sheafgnn.lm import build_model, matched_options
 from sheafgnn.memory import HUGE_PAGES_VARIABLE, ONEDNN_CACHE_VARIABLE, heap_stats, resident_bytes, tune_cpu
-from sheafgnn.model import SheafStateConfig
 from sheafgnn.optim import make_optimizer
-from sheafgnn.site import ByteTokenizer, SiteBuilder, SiteConfig
+from sheafgnn.site import SiteBuilder
 from sheafgnn.train import train_step
 
 KINDS = ("sheaf", "dense")
@@ -77,14 +76,12 @@ def train_here(kind: str, steps: int, every: int, context: int, batch_size: int)
     """Train one model ``steps`` steps in this process: what :func:`tune_cpu` reported, and a record every
     ``every`` steps (and the last)."""
     settings = tune_cpu()  # what the training loop does first
-    options, _ = matched_options(KINDS, {"d_model": SheafStateConfig().d_model, "n_layers": 2},
-                                 ByteTokenizer.vocab_size, n_heads=4, window=256)
-    site = {} if kind == "sheaf" else {"patch_types": []}
-    torch.manual_seed(0)
-    model = build_model(kind, options[kind], ByteTokenizer.vocab_size, site).train()
+    compare = CompareConfig(models=KINDS)
+    model, site = compare_model(compare, kind, compare_options(compare)[0][kind])
+    model.train()
     optimizer = make_optimizer(model, lr=1e-3, weight_decay=0.1)
     ids = corpus_ids(context * batch_size * steps + 1)
-    loader = DataLoader(WindowDataset(ids, context, SiteBuilder(SiteConfig.from_dict(site))), batch_size=batch_size)
+    loader = DataLoader(WindowDataset(ids, context, SiteBuilder(site)), batch_size=batch_size)
     rows, start = [], time.perf_counter()
     for step, batch in enumerate(loader, start=1):
         train_step(model, batch, optimizer, lr=1e-3, grad_clip=1.0)

@@ -14,6 +14,8 @@ from sheafgnn.experiments.compare import (
     DEFAULT_MODELS,
     LR_WIDEN,
     CompareConfig,
+    compare_model,
+    compare_options,
     kept_models,
     lr_sweep_one,
     main_compare,
@@ -48,6 +50,19 @@ def test_matched_options_within_ten_percent():
     assert options["ssm"]["d_model"] > options["sheaf"]["d_model"]  # no gluing: wider for the same count
     with pytest.raises(ValueError, match="ssm width"):
         matched_options(("ssm",), {"d_model": 64, "n_layers": 2}, 512, n_heads=2, window=32, tolerance=1e-6)
+
+
+def test_compare_model_is_the_seeded_model_that_compare_trains():
+    config = CompareConfig.quick(models=("sheaf", "dense"), seed=3)
+    options, counts = compare_options(config)
+    assert options["sheaf"]["d_model"] == config.d_model and abs(counts["dense"] / counts["target"] - 1) <= 0.1
+    sheaf, site = compare_model(config, "sheaf", options["sheaf"])
+    again, _ = compare_model(config, "sheaf", options["sheaf"])
+    assert all(torch.equal(a, b) for a, b in zip(sheaf.parameters(), again.parameters()))  # seeded by config.seed
+    other, _ = compare_model(CompareConfig.quick(models=("sheaf", "dense"), seed=4), "sheaf", options["sheaf"])
+    assert not all(torch.equal(a, b) for a, b in zip(sheaf.parameters(), other.parameters()))
+    assert site.local_window == 8  # the config's site rules; a baseline reads tokens only
+    assert compare_model(config, "dense", options["dense"])[1].patch_types == ()
 
 
 def test_peak_memory_sees_an_allocation():

@@ -153,6 +153,26 @@ class CompareConfig(ConfigFile):
 # ---------------------------------------------------------------------------
 
 
+def _site_of(kind: str, config: CompareConfig) -> dict:
+    return dict(config.site) if kind == "sheaf" else dict(BASELINE_SITE)
+
+
+def compare_options(config: CompareConfig) -> tuple[dict[str, dict], dict[str, int]]:
+    """``build_model`` options and parameter counts of ``config.models``: the sheaf model at ``config``'s width
+    and depth, every other model's width matched to its parameter count (:func:`~sheafgnn.lm.matched_options`)."""
+    sheaf_options = {"d_model": config.d_model, "n_layers": config.n_layers, **config.sheaf}
+    return matched_options(config.models, sheaf_options, ByteTokenizer.vocab_size, n_heads=config.n_heads,
+                           window=config.window, site=config.site, tolerance=config.tolerance)
+
+
+def compare_model(config: CompareConfig, kind: str, options: dict) -> tuple[nn.Module, SiteConfig]:
+    """``kind`` built from ``options`` as :func:`sheafgnn.train.train` builds it (seeded with ``config.seed``),
+    and the site rules its data is built with (the sheaf model's ``config.site``; tokens only for baselines)."""
+    site = _site_of(kind, config)
+    torch.manual_seed(config.seed)
+    return build_model(kind, options, ByteTokenizer.vocab_size, site), SiteConfig.from_dict(site)
+
+
 # ---------------------------------------------------------------------------
 # Work done per model (each in a fresh process by default)
 # ---------------------------------------------------------------------------
@@ -164,10 +184,6 @@ def _in_child(isolate: bool, fn: Callable, *args):
         return fn(*args)
     with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
         return pool.submit(fn, *args).result()
-
-
-def _site_of(kind: str, config: CompareConfig) -> dict:
-    return dict(config.site) if kind == "sheaf" else dict(BASELINE_SITE)
 
 
 def _train_config(config: CompareConfig, kind: str, options: dict, lr: float, tokens: int,
@@ -245,8 +261,7 @@ def _fit(config: CompareConfig, kind: str, options: dict, lr: float, tokens: int
         shutil.rmtree(out)  # compare owns out_dir/train/<run>; a stale checkpoint would block train()
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    torch.manual_seed(config.seed)  # as train() does before build_model
-    model = build_model(kind, options, ByteTokenizer.vocab_size, train_config.site)
+    model, _ = compare_model(config, kind, options)  # train_config.site is _site_of(kind, config)
     return model, train(train_config, model=model), train_config
 
 
@@ -344,10 +359,9 @@ def sweep_one(config: CompareConfig, kind: str, options: dict) -> list[dict]:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     tune_cpu()  # every model alike (sheafgnn.memory)
-    site_config = SiteConfig.from_dict(_site_of(kind, config))
     ids = _sweep_ids(config, max(config.sweep))
-    torch.manual_seed(config.seed)
-    model = build_model(kind, options, ByteTokenizer.vocab_size, _site_of(kind, config)).to(device).train()
+    model, site_config = compare_model(config, kind, options)
+    model.to(device).train()
     _fwd_bwd(model, ids, min(config.sweep), site_config, device)  # warm-up
     points, capped_at = [], None
     cap_bytes = config.memory_cap_gb * (1 << 30)
@@ -456,9 +470,7 @@ def run_compare(config: CompareConfig) -> dict:
     print(config)
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    sheaf_options = {"d_model": config.d_model, "n_layers": config.n_layers, **config.sheaf}
-    options, counts = matched_options(config.models, sheaf_options, ByteTokenizer.vocab_size, n_heads=config.n_heads,
-                                      window=config.window, site=config.site, tolerance=config.tolerance)
+    options, counts = compare_options(config)
     print_parameter_counts(options, counts)
     kept = kept_models(config, options)
     if kept:
