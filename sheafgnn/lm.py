@@ -136,7 +136,8 @@ def build_model(kind: str, options: dict, vocab_size: int, site: dict | None = N
     if kind in ATTENTION_KINDS:
         _check_fields(TransformerConfig, options, kind)
         return SequenceLM(CausalTransformer(TransformerConfig(**attention_options(kind, options))))
-    from sheafgnn.model import SheafStateConfig, SheafStateLM, nest_flat_keys
+    from sheafgnn.flat_keys import nest_flat_keys
+    from sheafgnn.model import SheafStateConfig, SheafStateLM
 
     if kind == "ssm" and (nest_flat_keys(options)[0].get("gluing") or {}).get("mode", "off") != "off":
         raise ValueError("build_model: model 'ssm' is the sheaf model with gluing off; drop model_config.gluing.mode")

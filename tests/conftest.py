@@ -4,7 +4,8 @@ import random
 import pytest
 import torch
 
-from sheafgnn.model import SheafStateConfig, SheafStateLM, nest_flat_keys
+from sheafgnn.flat_keys import nest_flat_keys
+from sheafgnn.model import SheafStateConfig, SheafStateLM
 from sheafgnn.nn import cpu_kernels, segment
 from sheafgnn.site import PATCH_TYPES, SiteConfig, TopicModel, build_site
 from sheafgnn.site.rules import split_sentences
@@ -110,7 +111,7 @@ def full_config(tmp_path_factory, topic_model) -> SiteConfig:
 
 def small_model_config(full_config: SiteConfig, **kwargs) -> SheafStateConfig:
     """A tiny SheafStateConfig on the every-type site config; ``kwargs`` override, by their field names
-    (``map_kind=...`` sets ``gluing.map_kind``: :data:`~sheafgnn.model.FLAT_KEYS`, a shorthand for tests)."""
+    (``map_kind=...`` sets ``gluing.map_kind``: :data:`~sheafgnn.flat_keys.FLAT_KEYS`, a shorthand for tests)."""
     values = dict(d_model=32, n_layers=2, ssm={"headdim": 16, "chunk_size": 16}, site=full_config.to_dict())
     nested, _ = nest_flat_keys(kwargs)
     for key, value in nested.items():

@@ -10,7 +10,8 @@ import json
 from pathlib import Path
 
 from sheafgnn.experiments.report import pyplot, write_json
-from sheafgnn.model import FLAT_KEYS, SheafStateConfig
+from sheafgnn.flat_keys import FLAT_KEYS
+from sheafgnn.model import SheafStateConfig
 
 SUMMARY_KEY = ("task", "seq_len", "train_len", "pairs", "vocab", "model", "hash_retrieval", "topology_rank",
                "topology_k", "content_blocks", "proposal_block", "pool_loss_weight", "block_scorer",
