@@ -119,6 +119,16 @@ def small_model_config(full_config: SiteConfig, **kwargs) -> SheafStateConfig:
     return SheafStateConfig(**values)
 
 
+def word_corpus(path, sentences: int) -> str:
+    """``sentences`` random sentences over a 19-word vocabulary, written to ``path`` (a text a model learns in a
+    few steps); returns the path."""
+    rng = random.Random(0)
+    words = "the cat sat on a mat and the dog ran to the park while birds sang in tall green trees".split()
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 12))) + "." for _ in range(sentences)]
+    path.write_text("\n".join(lines))
+    return str(path)
+
+
 SUFFIXES = [b" The end. (x) ###\n", b"\n\n    fish cat\nQ: why?\n", b"))]]\"\" the cat sat."]
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 
 import pytest
 import torch
@@ -30,15 +29,12 @@ from sheafgnn.experiments.recurrence import bucket_names
 from sheafgnn.lm import MODEL_KINDS, matched_options
 from sheafgnn.memory import PeakMemory, heap_stats, resident_bytes
 
+from .conftest import word_corpus
+
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> str:
-    rng = random.Random(0)
-    words = "the cat sat on a mat and the dog ran to the park while birds sang in tall green trees".split()
-    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 12))) + "." for _ in range(200)]
-    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    path.write_text("\n".join(lines))
-    return str(path)
+    return word_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt", 200)
 
 
 def test_matched_options_within_ten_percent():

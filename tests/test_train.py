@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import math
 import os
-import random
 import shutil
 import signal
 import socket
@@ -30,18 +29,15 @@ from sheafgnn.optim import cosine_lr, make_optimizer, param_groups
 from sheafgnn.site import ByteTokenizer, SiteBuilder, SiteConfig
 from sheafgnn.train import TrainConfig, TrainingDiverged, evaluate, train, train_step
 
+from .conftest import word_corpus
+
 TINY = dict(d_model=32, n_layers=1, n_heads=2)
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> str:
     """About 16 KB of random sentences over a small vocabulary: learnable in a few steps."""
-    rng = random.Random(0)
-    words = "the cat sat on a mat and the dog ran to the park while birds sang in tall green trees".split()
-    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 12))) + "." for _ in range(400)]
-    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    path.write_text("\n".join(lines))
-    return str(path)
+    return word_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt", 400)
 
 
 def tiny(corpus: str, out_dir: Path, **overrides) -> TrainConfig:
