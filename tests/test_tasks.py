@@ -66,8 +66,6 @@ def test_mqar_power_law_puts_queries_early():
     assert abs(uniform - (8 + 2 * (60 - 1) / 2)) < 3  # uniform gaps in [0, 60)
 
 
-
-
 @pytest.mark.parametrize("task,args", [(mqar, (4, 64, 8, 128)), (selective_copying, (4, 64, 8, 16)),
                                        (induction_heads, (4, 256, 16)), (scattered_recall, (4, 64, 8, 128))])
 def test_tasks_are_deterministic_per_generator(task, args):
@@ -120,8 +118,6 @@ def test_selective_copying_brute_force(seq_len, num_tokens, vocab_size):
         assert yr[out:] == data
 
 
-
-
 @pytest.mark.parametrize(
     "args,match",
     [
@@ -166,8 +162,6 @@ def test_induction_heads_trigger_position_covers_range():
     x, _ = induction_heads(2000, 8, 16, gen(2))
     first = (x == 15).int().argmax(dim=1)
     assert set(first.tolist()) == set(range(6))
-
-
 
 
 @pytest.mark.parametrize(

@@ -441,8 +441,7 @@ def kept_models(config: CompareConfig, options: dict[str, dict]) -> dict[str, tu
         return {}
     return {kind: (sweeps.get(kind, []), training[kind]) for kind in config.models
             if kind in training and training[kind]["options"] == options[kind]
-            and training[kind].get("model_config") == resolved_config(
-                build_model(kind, options[kind], ByteTokenizer.vocab_size, _site_of(kind, config)))
+            and training[kind].get("model_config") == resolved_config(compare_model(config, kind, options[kind])[0])
             and (not config.lr_sweep or next_rate(sweeps.get(kind, []), len(config.lr_sweep)) is None)}
 
 
