@@ -22,6 +22,9 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
 PIP="$VENV/bin/python -m pip"
+# On PATH for torch.utils.cpp_extension, which builds the optional C++ kernels with ninja.
+PATH="$(pwd)/$VENV/bin:$PATH"
+export PATH
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     $PIP install -q --upgrade pip setuptools wheel
     if [ -n "${TORCH_INDEX_URL:-}" ]; then
@@ -32,12 +35,10 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     $PIP install -q -e ".[experiments,kernels,dev]"
     # Build isolation would pull a second (CUDA) torch into the build env.
     MAX_JOBS=${MAX_JOBS:-2} $PIP install -q --no-build-isolation torch-scatter torch-sparse
+    # The optional C++ kernels (sheafgnn.nn.cpu_kernels): built here once, about a minute, not in the first run.
+    "$VENV/bin/python" -c "from sheafgnn.nn import cpu_kernels; cpu_kernels.block_topk(); cpu_kernels.ssm_step()"
     echo "$WANT" > "$STAMP"
 fi
-
-# On PATH for torch.utils.cpp_extension, which builds the optional C++ kernels with ninja.
-PATH="$(pwd)/$VENV/bin:$PATH"
-export PATH
 
 task=${1:-test}
 shift || true

@@ -1,5 +1,6 @@
 """The optional C++ kernels (sheafgnn.nn.cpu_kernels) against their PyTorch references."""
 import functools
+import shutil
 import subprocess
 import sys
 import warnings
@@ -367,7 +368,7 @@ def _forward_and_stream(model: SheafStateLM, ids: torch.Tensor) -> tuple[torch.T
 
 
 def test_a_failed_kernel_build_warns_once_and_changes_no_logit(monkeypatch, full_config):
-    """torch.utils.cpp_extension.load raises for every source (no compiler): one warning in all, whatever the
+    """torch.utils.cpp_extension.load_inline raises for every source (no compiler): one warning in all, whatever the
     number of sources and calls, and the forward (content proposals: block_topk) and a stream (every step
     kernel) give exactly the logits of the PyTorch paths (SHEAFGNN_CPU_KERNELS=0)."""
     torch.manual_seed(0)
@@ -380,7 +381,7 @@ def test_a_failed_kernel_build_warns_once_and_changes_no_logit(monkeypatch, full
         raise RuntimeError("Error building extension: c++: command not found")
 
     monkeypatch.setenv("SHEAFGNN_CPU_KERNELS", "1")
-    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", no_compiler)
     # Empty caches for this test; monkeypatch puts back the cached function with the kernels built so far.
     monkeypatch.setattr(cpu_kernels, "_load", functools.cache(cpu_kernels._load.__wrapped__))
     monkeypatch.setattr(cpu_kernels, "_failed", [])
@@ -393,6 +394,27 @@ def test_a_failed_kernel_build_warns_once_and_changes_no_logit(monkeypatch, full
         "not found); using the PyTorch paths" in messages[0] and "pip install 'sheafgnn[kernels]'" in messages[0]
     assert sorted(cpu_kernels._failed) == ["block_topk", "step_kernels"]  # both sources were tried, once each
     assert all(torch.equal(a, b) for a, b in zip(fallback, reference))
+
+
+def test_the_build_names_no_path_of_the_checkout(monkeypatch, tmp_path):
+    """ninja rebuilds when a compile command changes: the extension's name and its one source are the sources'
+    text (local headers inlined), the same from any checkout, and a changed text gets another name."""
+    calls = []
+    monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(cpu_kernels, "_load", functools.cache(cpu_kernels._load.__wrapped__))
+    copy = tmp_path / "csrc"
+    shutil.copytree(cpu_kernels._SOURCES, copy)
+    for sources in (cpu_kernels._SOURCES, copy):
+        monkeypatch.setattr(cpu_kernels, "_SOURCES", sources)
+        cpu_kernels._load.cache_clear()
+        cpu_kernels._load("block_topk")
+    (copy / "top_list.h").write_text((copy / "top_list.h").read_text() + "\n// changed\n")
+    cpu_kernels._load.cache_clear()
+    cpu_kernels._load("block_topk")
+    (here, there, changed) = calls
+    assert here == there and changed["name"] != here["name"]
+    assert '#include "' not in here["cpp_sources"][0] and "// changed" in changed["cpp_sources"][0]
+    assert not any(str(tmp_path) in str(value) or "csrc" in str(value) for value in here.values())
 
 
 def test_importing_the_kernels_installs_no_hook():

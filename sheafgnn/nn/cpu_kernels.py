@@ -30,9 +30,12 @@ A kernel's caller reads ~10 parameters and submodules of its layer per call, and
 costs 0.5-1 us of Python (a generation step made ~200 of them): :func:`registered` keeps them on the layer
 until any module registers a parameter, buffer or submodule.
 
-The sources are compiled by :func:`torch.utils.cpp_extension.load` (ninja and a C++ compiler: about 40 s
-once, then cached under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``) with
-``-march=native``, so the build directory is named for this CPU's instruction set. Where a build fails
+The sources are compiled by :func:`torch.utils.cpp_extension.load_inline` (ninja and a C++ compiler: about
+40 s once, then cached under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``) with
+``-march=native``, so the build directory is named for this CPU's instruction set and for the source's text.
+The text, local headers inlined, is written into that directory: ninja rebuilds when a compile command
+changes, and a command naming the checkout's own path made two checkouts (a git worktree, a clone) rebuild
+each other's kernels on every first use. Where a build fails
 (no compiler, or no ninja: ``pip install 'sheafgnn[kernels]'``) the first failure warns once, saying why, and
 the callers run their PyTorch paths, which compute the same; set ``SHEAFGNN_CPU_KERNELS=0`` to use those paths
 always (tests compare the two).
@@ -44,6 +47,7 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import warnings
 from pathlib import Path
 
@@ -82,13 +86,22 @@ def _cpu_tag() -> str:
 _failed: list[str] = []  # sources whose build failed in this process; the first failure warns, the rest are silent
 
 
+def _source_text(name: str) -> str:
+    """``csrc/<name>.cpp`` with its local headers (``#include "top_list.h"``) inlined."""
+    return re.sub(r'^#include "([\w.]+)"$', lambda include: (_SOURCES / include[1]).read_text().rstrip("\n"),
+                  (_SOURCES / f"{name}.cpp").read_text(), flags=re.MULTILINE)
+
+
 @functools.cache
 def _load(name: str):
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import load_inline
 
     try:
-        return load(name=f"sheafgnn_{name}_{_cpu_tag()}", sources=[str(_SOURCES / f"{name}.cpp")],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        text = _source_text(name)
+        tag = hashlib.sha1(f"{_cpu_tag()} {text}".encode()).hexdigest()[:8]
+        return load_inline(name=f"sheafgnn_{name}_{tag}", cpp_sources=[text], no_implicit_headers=True,
+                           extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                           verbose=False)
     except Exception as err:  # no compiler, no ninja, a failed build: the PyTorch path is used instead
         if not _failed:  # another source fails for the same reason: one warning says it
             warnings.warn(f"sheafgnn: the C++ kernel {name!r} could not be built ({type(err).__name__}: "
