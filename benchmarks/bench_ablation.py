@@ -62,6 +62,7 @@ from pathlib import Path
 import torch
 
 from sheafgnn.data import corpus_ids
+from sheafgnn.experiments.compare import BASELINE_SITE
 from sheafgnn.experiments.report import pyplot, write_json, write_report
 from sheafgnn.lm import matched_options
 from sheafgnn.model import SheafStateConfig
@@ -85,10 +86,10 @@ def variants(d_model: int, patch_types: list[str]) -> dict[str, dict]:
     default = SheafStateConfig()
     matched = matched_options(("ssm",), model, ByteTokenizer.vocab_size, n_heads=4, window=256)[0]["ssm"]
     out = {"full": {"model": "sheaf", "model_config": model, "site": {}},
-           "ssm": {"model": "ssm", "model_config": model, "site": {"patch_types": []}},
-           "ssm_matched": {"model": "ssm", "model_config": matched, "site": {"patch_types": []}},
+           "ssm": {"model": "ssm", "model_config": model, "site": dict(BASELINE_SITE)},
+           "ssm_matched": {"model": "ssm", "model_config": matched, "site": dict(BASELINE_SITE)},
            "ssm_headdim_8": {"model": "ssm", "model_config": {**model, "ssm": {"headdim": 8}},
-                             "site": {"patch_types": []}}}
+                             "site": dict(BASELINE_SITE)}}
     for patch_type in patch_types:
         site = {"patch_types": [p for p in default.site.patch_types if p != patch_type]}
         out[f"no_{patch_type}"] = {"model": "sheaf", "model_config": model, "site": site}
