@@ -180,8 +180,9 @@ def test_induction_heads_validation(args, match):
 
 @pytest.mark.parametrize("seq_len,num_pairs,vocab_size", [(48, 4, 64), (256, 16, 1024), (24, 8, 18), (3, 1, 4)])
 def test_scattered_recall_brute_force(seq_len, num_pairs, vocab_size):
-    """Every row: distinct keys and values in their halves; each query's key was bound earlier, right before its
-    target value, and its bind is the key's first occurrence as a bind; exactly num_pairs scored positions."""
+    """Every row: distinct keys and values in their halves; each key occurs twice, at its bind (right before its
+    target value) and at its query, so no query has a second candidate bind; exactly num_pairs scored
+    positions."""
     x, y = scattered_recall(32, seq_len, num_pairs, vocab_size, gen(0))
     assert x.shape == y.shape == (32, seq_len) and x.dtype == y.dtype == torch.long
     assert 0 <= int(x.min()) and int(x.max()) < vocab_size
@@ -193,8 +194,24 @@ def test_scattered_recall_brute_force(seq_len, num_pairs, vocab_size):
         assert len(set(keys)) == num_pairs and all(1 <= k < vocab_size // 2 for k in keys)
         assert len(set(values)) == num_pairs and all(vocab_size // 2 <= v < vocab_size for v in values)
         for t, key, value in zip(queries, keys, values):
-            binds = [s for s in range(t - 1) if row_x[s] == key and row_x[s + 1] == value and s + 1 not in queries]
-            assert binds, (row_x, t)  # its bind k v came before the query
+            occurrences = [s for s in range(seq_len) if row_x[s] == key]
+            assert len(occurrences) == 2 and occurrences[1] == t, (row_x, t)  # no filler repeats a key
+            assert row_x[occurrences[0] + 1] == value and occurrences[0] + 1 not in queries  # its bind k v
+
+
+def test_scattered_recall_fillers_are_uniform_over_the_tokens_that_are_not_keys():
+    """Each filler's rank among its row's non-key tokens is uniform: every one of the V - P is drawn about as
+    often (the keys change from row to row, so a slip in the skipping would bunch ranks up)."""
+    vocab_size, num_pairs = 12, 5
+    x, y = scattered_recall(4000, 40, num_pairs, vocab_size, gen(3))
+    counts = torch.zeros(vocab_size - num_pairs)
+    for row_x, row_y in zip(x.tolist(), y.tolist()):
+        keys = {v for v, target in zip(row_x, row_y) if target != IGNORE_INDEX}
+        rank = {token: r for r, token in enumerate(t for t in range(vocab_size) if t not in keys)}
+        bound = {row_x.index(key) + 1 for key in keys}  # each bind's value
+        filler = [t for i, t in enumerate(row_x) if t not in keys and i not in bound]
+        counts += torch.bincount(torch.tensor([rank[t] for t in filler]), minlength=len(counts))
+    assert (counts - counts.mean()).abs().max() < 0.05 * counts.mean()
 
 
 def test_scattered_recall_scatters_binds_and_query_distances():
