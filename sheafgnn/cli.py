@@ -80,8 +80,11 @@ def _site_demo(out: Path, context: int, tokens: int) -> None:
     (out / "site_stats.json").write_text(json.dumps(stats, indent=2))
 
 
-# The long comparison the demo's short one is read against (benchmarks/results/text/seed<N>/, issue-sized runs).
-LONG_RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "text"
+# The long comparison the demo's short one is read against: compare's folders of issue-sized runs, seed<N>/ each.
+# A model's run in a later folder replaces its run of the same seed in an earlier one: text_keyprev/ holds the
+# default's sheaf runs since W'_k = W_q at init (key_previous_init: query), text/ the baselines and earlier defaults.
+LONG_RESULTS = tuple(Path(__file__).resolve().parent.parent / "benchmarks" / "results" / name
+                     for name in ("text", "text_keyprev"))
 
 
 def _long_result() -> str:
@@ -89,18 +92,24 @@ def _long_result() -> str:
     seed ran), or that it is not in this checkout."""
     from sheafgnn.experiments.compare_report import standing
 
-    reports = {path.parent.name: json.loads(path.read_text())
-               for path in sorted(LONG_RESULTS.glob("seed*/compare.json"))}
-    if not reports:
+    runs, tokens = {}, set()  # seed -> model -> (its training row, the folder it came from)
+    for folder in LONG_RESULTS:
+        for path in sorted(folder.glob("seed*/compare.json")):
+            report = json.loads(path.read_text())
+            tokens.add(report["config"]["tokens"])
+            runs.setdefault(path.parent.name, {}).update(
+                {kind: (row, folder.name) for kind, row in report["training"].items()})
+    if not runs:
         return "The 8.4M-token comparison (benchmarks/results/text/) is not in this checkout."
-    kinds = [k for k in next(iter(reports.values()))["training"] if all(k in r["training"] for r in reports.values())]
-    mean = {k: {"val_bpb": sum(r["training"][k]["val_bpb"] for r in reports.values()) / len(reports)} for k in kinds}
-    per_seed = "; ".join(f"{name}: " + ", ".join(f"{k} {t['val_bpb']:.4f}" for k, t in r["training"].items())
-                         for name, r in reports.items())  # every model a seed ran, the mean's and others
-    partial = sorted({k for r in reports.values() for k in r["training"]} - set(kinds))
-    tokens = {r["config"]["tokens"] for r in reports.values()}
-    return (f"At {', '.join(f'{t:,}' for t in sorted(tokens))} tokens per model, mean of {len(reports)} seed(s) "
-            f"(benchmarks/results/text/): " + standing(mean).replace("at this budget", "there")
+    kinds = [k for k in next(iter(runs.values())) if all(k in seed for seed in runs.values())]
+    mean = {k: {"val_bpb": sum(seed[k][0]["val_bpb"] for seed in runs.values()) / len(runs)} for k in kinds}
+    per_seed = "; ".join(f"{name}: " + ", ".join(f"{k} {row['val_bpb']:.4f}"
+                                                 + ("" if folder == LONG_RESULTS[0].name else f" ({folder}/)")
+                                                 for k, (row, folder) in seed.items())
+                         for name, seed in runs.items())  # every model a seed ran, the mean's and others
+    partial = sorted({k for seed in runs.values() for k in seed} - set(kinds))
+    return (f"At {', '.join(f'{t:,}' for t in sorted(tokens))} tokens per model, mean of {len(runs)} seed(s) "
+            f"(benchmarks/results/{LONG_RESULTS[0].name}/): " + standing(mean).replace("at this budget", "there")
             + (f" Not run in every seed, so not in the mean: {', '.join(partial)}." if partial else "")
             + f" By seed: {per_seed}.")
 

@@ -350,21 +350,28 @@ def test_write_tokens_decodes_characters_split_across_tokens():
 
 
 def test_long_result_is_the_mean_of_the_seeds_every_model_ran(tmp_path, monkeypatch):
+    """Each seed's models from every folder, a later folder's run replacing an earlier one's; the mean over
+    the models every seed ran."""
     from sheafgnn import cli
 
+    def write(folder, seed, training):
+        (tmp_path / folder / f"seed{seed}").mkdir(parents=True)
+        (tmp_path / folder / f"seed{seed}" / "compare.json").write_text(
+            json.dumps({"config": {"tokens": 8388608}, "training": training}))
+
     for seed, (sheaf, ssm) in enumerate([(1.95, 1.96), (1.99, 1.97)]):
-        (tmp_path / f"seed{seed}").mkdir()
         training = {"sheaf": {"val_bpb": sheaf}, "ssm": {"val_bpb": ssm}}
-        training.update({"dense": {"val_bpb": 1.0}} if seed else {})  # a model one seed lacks: not in the mean
-        (tmp_path / f"seed{seed}" / "compare.json").write_text(json.dumps({"config": {"tokens": 8388608},
-                                                                           "training": training}))
-    monkeypatch.setattr(cli, "LONG_RESULTS", tmp_path)
+        write("text", seed, training | ({"dense": {"val_bpb": 1.0}} if seed else {}))  # dense: one seed only
+    write("newer", 1, {"sheaf": {"val_bpb": 1.93}})  # replaces seed 1's sheaf run
+    monkeypatch.setattr(cli, "LONG_RESULTS", (tmp_path / "text", tmp_path / "newer", tmp_path / "absent"))
     line = cli._long_result()
-    assert "8,388,608 tokens per model, mean of 2 seed(s)" in line
+    assert "8,388,608 tokens per model, mean of 2 seed(s) (benchmarks/results/text/)" in line
     mean, by_seed = line.split(" By seed: ")
-    assert "**ssm** (1.9650 bits/byte); then sheaf 1.9700 (+0.0050)." in mean
+    assert "**sheaf** (1.9400 bits/byte); then ssm 1.9650 (+0.0250)." in mean
     assert mean.endswith("Not run in every seed, so not in the mean: dense.")
-    assert by_seed == "seed0: sheaf 1.9500, ssm 1.9600; seed1: sheaf 1.9900, ssm 1.9700, dense 1.0000."  # each its own
+    assert by_seed == "seed0: sheaf 1.9500, ssm 1.9600; seed1: sheaf 1.9300 (newer/), ssm 1.9700, dense 1.0000."
+    monkeypatch.setattr(cli, "LONG_RESULTS", (tmp_path / "absent",))
+    assert cli._long_result().endswith("is not in this checkout.")
 
 
 def test_demo_compares_and_says_which_model_is_ahead(tmp_path, capsys, monkeypatch):
@@ -372,7 +379,7 @@ def test_demo_compares_and_says_which_model_is_ahead(tmp_path, capsys, monkeypat
     model ahead at its budget and where the long comparison stands (here: absent)."""
     from sheafgnn import cli
 
-    monkeypatch.setattr(cli, "LONG_RESULTS", tmp_path / "absent")
+    monkeypatch.setattr(cli, "LONG_RESULTS", (tmp_path / "absent",))
     assert main(["demo", "--out", str(tmp_path), "--context", "64", "--tokens", "128", "--quick", "--in-process",
                  "--num-threads", "1"]) == 0
     verdict = (tmp_path / "verdict.md").read_text()
