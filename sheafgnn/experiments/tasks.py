@@ -116,6 +116,14 @@ def mqar(
     return inputs, targets
 
 
+def _uniform_except(excluded: Tensor, length: int, vocab_size: int, generator: torch.Generator | None) -> Tensor:
+    """(B, length) tokens uniform over [0, vocab_size) without each row's distinct ``excluded`` (B, P): the r-th
+    token not excluded is r + #{j : e_(j) - j <= r}, with e_(j) the row's excluded tokens sorted."""
+    skip = excluded.sort(1).values - torch.arange(excluded.size(1))  # (B, P) non-decreasing
+    rank = torch.randint(vocab_size - excluded.size(1), (excluded.size(0), length), generator=generator)
+    return rank + torch.searchsorted(skip, rank, right=True)
+
+
 def scattered_recall(
     batch_size: int,
     seq_len: int = 256,
@@ -136,14 +144,12 @@ def scattered_recall(
       bind's and the query's places in the order of the ``2 * num_pairs``
       events are the smaller and the larger of two uniform draws, so a query
       may come right after its bind or far later, before or after other binds;
-    - ``seq_len - 3 * num_pairs`` filler tokens, uniform over the tokens in
-      [0, V) that are not one of the row's keys, spread uniformly between
-      the events. Unlike MQAR's noise, a filler never repeats a key: here a
-      key followed by a filler in the values' half would be a second bind of
-      that key, which no model can tell from the real one (with fillers
-      uniform in [0, V), 5.4% of the queries at (256, 16), V 1,024, would
-      have two binds, a ceiling near 0.975). Each key occurs twice, at its
-      bind and at its query.
+    - ``seq_len - 3 * num_pairs`` filler tokens, uniform over [0, V) without
+      the row's keys, spread uniformly between the events. Unlike MQAR's
+      noise, a filler never repeats a key: a key followed by a filler in the
+      values' half would be a second bind no model can tell from the real
+      one (5.4% of the queries at (256, 16), V 1,024, with fillers uniform in
+      [0, V): a ceiling near 0.975). Each key occurs at its bind and query.
 
     The target at a query is its bind's value; every other position is
     :data:`IGNORE_INDEX`.
@@ -188,10 +194,7 @@ def scattered_recall(
     # A unit's first token: every earlier unit takes one token, and every earlier bind one more.
     binds_before = torch.cumsum(is_bind.long(), 1) - is_bind.long()  # (B, 2P)
     start = slots + binds_before  # (B, 2P) token position of each event
-    # Fillers everywhere first: the r-th token that is not a key is r + #{j : key_(j) - j <= r} (keys sorted).
-    skip = keys.sort(1).values - torch.arange(P)  # (B, P) non-decreasing
-    filler_rank = torch.randint(vocab_size - P, (B, T), generator=generator)  # (B, T)
-    inputs = filler_rank + torch.searchsorted(skip, filler_rank, right=True)  # (B, T)
+    inputs = _uniform_except(keys, T, vocab_size, generator)  # (B, T) fillers everywhere first
     key_of = keys.gather(1, pair)  # (B, 2P)
     inputs.scatter_(1, start, key_of)
     bind_rows, bind_events = is_bind.nonzero(as_tuple=True)
