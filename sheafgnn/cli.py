@@ -100,7 +100,7 @@ def _long_result() -> str:
             runs.setdefault(path.parent.name, {}).update(
                 {kind: (row, folder.name) for kind, row in report["training"].items()})
     if not runs:
-        return "The 8.4M-token comparison (benchmarks/results/text/) is not in this checkout."
+        return f"The 8.4M-token comparison (benchmarks/results/{LONG_RESULTS[0].name}/) is not in this checkout."
     kinds = [k for k in next(iter(runs.values())) if all(k in seed for seed in runs.values())]
     mean = {k: {"val_bpb": sum(seed[k][0]["val_bpb"] for seed in runs.values()) / len(runs)} for k in kinds}
     per_seed = "; ".join(f"{name}: " + ", ".join(f"{k} {row['val_bpb']:.4f}"
