@@ -7,6 +7,9 @@ default sheaf model, 2 layers; dense matched to its parameters within 10%). Ever
 ``--every`` steps it records:
 
 - ``rss_bytes``: the process's resident set (``VmRSS``);
+- ``interval_peak_rss_bytes``: the peak resident set since the record before
+  (``VmHWM``, reset at each record: :func:`sheafgnn.memory.take_peak_resident_bytes`),
+  which a record between steps misses: the steps' own peaks;
 - ``live_tensor_bytes``: the storages of every tensor the garbage collector
   can reach (parameters, optimizer state, the corpus ids; between steps);
 - glibc's heap (:func:`sheafgnn.memory.heap_stats`): ``heap_bytes``,
@@ -24,8 +27,10 @@ environment, which ``tune_cpu`` leaves alone), ``sheaf_no_huge_pages``
 (``THP_MEM_ALLOC_ENABLE=0``) and ``dense`` (``--runs`` picks some). It writes ``train_memory.json``
 (rows per run; the growth of each figure from the first record to the last;
 each run's peak resident set and how far the resident set rose after the
-warm-up, from the record at step ``--warmup`` to the highest one after it; and
-sheaf's peak over dense's) and ``train_memory.png``.
+warm-up, from the record at step ``--warmup`` to the highest one after it; the
+trend of the interval peaks after the warm-up (the least-squares slope, MiB per
+1,000 steps: growth that goes on shows as a slope, windows whose sites need more
+memory as scatter around it); and sheaf's peak over dense's) and ``train_memory.png``.
 
 Usage::
 
@@ -40,6 +45,7 @@ import gc
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -51,7 +57,14 @@ from torch_geometric.loader import DataLoader
 from sheafgnn.data import WindowDataset, corpus_ids
 from sheafgnn.experiments.compare import CompareConfig, compare_model, compare_options
 from sheafgnn.experiments.report import pyplot, save_figure
-from sheafgnn.memory import HUGE_PAGES_VARIABLE, ONEDNN_CACHE_VARIABLE, heap_stats, resident_bytes, tune_cpu
+from sheafgnn.memory import (
+    HUGE_PAGES_VARIABLE,
+    ONEDNN_CACHE_VARIABLE,
+    heap_stats,
+    resident_bytes,
+    take_peak_resident_bytes,
+    tune_cpu,
+)
 from sheafgnn.optim import make_optimizer
 from sheafgnn.site import SiteBuilder
 from sheafgnn.train import train_step
@@ -83,10 +96,12 @@ def train_here(kind: str, steps: int, every: int, context: int, batch_size: int)
     ids = corpus_ids(context * batch_size * steps + 1)
     loader = DataLoader(WindowDataset(ids, context, SiteBuilder(site)), batch_size=batch_size)
     rows, start = [], time.perf_counter()
+    take_peak_resident_bytes()  # the first interval starts at step 1
     for step, batch in enumerate(loader, start=1):
         train_step(model, batch, optimizer, lr=1e-3, grad_clip=1.0)
         if step % every == 0 or step == steps:
             rows.append({"step": step, "elapsed_s": time.perf_counter() - start, "rss_bytes": resident_bytes(),
+                         "interval_peak_rss_bytes": take_peak_resident_bytes(),
                          "live_tensor_bytes": live_tensor_bytes(), **(heap_stats() or {})})
         if step == steps:
             break
@@ -100,14 +115,22 @@ def growth(rows: list[dict]) -> dict:
 
 
 def after_warmup(rows: list[dict], warmup: int) -> dict:
-    """The peak resident set, and its rise after the warm-up: the highest record after step ``warmup`` minus
-    the first record at or after it (0 when the resident set stays flat; ``None`` if no record is that late)."""
+    """The peak resident set (the highest interval peak where the kernel reports them, else the highest record),
+    its rise after the warm-up (the highest record after step ``warmup`` minus the first record at or after it: 0
+    when the resident set stays flat; ``None`` if no record is that late) and the least-squares slope of the
+    interval peaks after the warm-up, in bytes per 1,000 steps (``None`` without interval peaks or with fewer
+    than 2 records that late)."""
     late = [r for r in rows if r["step"] >= warmup]
-    out = {"peak_rss_bytes": max(r["rss_bytes"] for r in rows), "warmup_step": late[0]["step"] if late else None,
-           "rss_rise_after_warmup_bytes": None, "rss_rise_after_warmup": None}
+    peaks = [r.get("interval_peak_rss_bytes") for r in rows]
+    out = {"peak_rss_bytes": max(peaks) if None not in peaks else max(r["rss_bytes"] for r in rows),
+           "warmup_step": late[0]["step"] if late else None, "rss_rise_after_warmup_bytes": None,
+           "rss_rise_after_warmup": None, "interval_peak_slope_bytes_per_1000_steps": None}
     if late:
         rise = max(r["rss_bytes"] for r in late) - late[0]["rss_bytes"]
         out.update(rss_rise_after_warmup_bytes=rise, rss_rise_after_warmup=rise / late[0]["rss_bytes"])
+    if len(late) >= 2 and None not in peaks:
+        fit = statistics.linear_regression([r["step"] for r in late], [r["interval_peak_rss_bytes"] for r in late])
+        out["interval_peak_slope_bytes_per_1000_steps"] = 1000 * fit.slope
     return out
 
 
@@ -118,7 +141,8 @@ def plot(result: dict, path: Path) -> None:
     for ax, name in zip(axes, names):
         rows = result["runs"][name]["rows"]
         steps = [r["step"] for r in rows]
-        for key, label in (("rss_bytes", "resident set"), ("heap_bytes", "glibc heap"),
+        for key, label in (("interval_peak_rss_bytes", "peak since the record before"),
+                           ("rss_bytes", "resident set"), ("heap_bytes", "glibc heap"),
                            ("in_use_bytes", "heap in use"), ("live_tensor_bytes", "live tensors")):
             if rows[0].get(key) is not None:
                 ax.plot(steps, [r[key] / 2**20 for r in rows], label=label)
@@ -172,7 +196,10 @@ def main() -> None:
     for name, run in runs.items():
         rise = run["rss_rise_after_warmup_bytes"]
         rose = "has no record" if rise is None else f"rose {rise / 2**20:,.1f} MiB ({run['rss_rise_after_warmup']:.1%})"
-        print(f"  {name:<17} peak RSS {run['peak_rss_bytes'] / 2**20:,.0f} MiB, after step {run['warmup_step']} {rose}")
+        slope = run["interval_peak_slope_bytes_per_1000_steps"]
+        trend = "" if slope is None else f"; its step peaks' trend {slope / 2**20:+,.1f} MiB per 1,000 steps"
+        print(f"  {name:<17} peak RSS {run['peak_rss_bytes'] / 2**20:,.0f} MiB, after step {run['warmup_step']} {rose}"
+              + trend)
     if "sheaf_over_dense_peak_rss" in result:
         print(f"  sheaf / dense peak RSS: {result['sheaf_over_dense_peak_rss']:.2f}x")
     out = Path(args.out)

@@ -20,7 +20,8 @@ fallback is ``getrusage(RUSAGE_SELF).ru_maxrss`` since the process started, an
 upper bound; the report names the method it used (``memory_method``). On CUDA the figures are
 ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``.
 
-:func:`resident_bytes` and :func:`heap_stats` read the resident set and glibc's heap now
+:func:`resident_bytes` and :func:`heap_stats` read the resident set and glibc's heap now, and
+:func:`take_peak_resident_bytes` the peak resident set since its last call
 (``benchmarks/bench_train_memory.py`` follows them through training).
 """
 
@@ -213,3 +214,12 @@ def resident_bytes() -> int | None:
     """This process's resident set now (``VmRSS``), None where ``/proc`` does not tell."""
     kib = _status_kib("VmRSS")
     return None if kib is None else kib * 1024
+
+
+def take_peak_resident_bytes() -> int | None:
+    """This process's peak resident set since the last call (or its start), and a new interval begun: ``VmHWM``,
+    then the mark reset to the resident set now (:class:`PeakMemory`'s reset, without its trim, so the process
+    runs on as it would). None where the kernel does not allow the reset: the mark would then be the process's
+    peak so far, not the interval's."""
+    kib = _status_kib("VmHWM")
+    return None if kib is None or not _reset_hwm() else kib * 1024

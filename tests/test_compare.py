@@ -27,7 +27,7 @@ from sheafgnn.experiments.compare import (
 from sheafgnn.experiments.compare_report import at_equal_seconds, markdown
 from sheafgnn.experiments.recurrence import bucket_names
 from sheafgnn.lm import MODEL_KINDS, matched_options
-from sheafgnn.memory import PeakMemory, heap_stats, resident_bytes
+from sheafgnn.memory import PeakMemory, _release_free_memory, heap_stats, resident_bytes, take_peak_resident_bytes
 
 from .conftest import word_corpus
 
@@ -84,6 +84,18 @@ def test_heap_stats_and_resident_set_see_an_allocation():
     assert now > 0 and rss > 0  # not its growth: freed pages the heap still holds may serve the tensor
     assert grown["heap_bytes"] >= grown["in_use_bytes"] and grown["free_bytes"] >= 0
     del x
+
+
+def test_take_peak_resident_bytes_reads_each_interval_once():
+    if take_peak_resident_bytes() is None:  # the first interval starts here
+        pytest.skip("no /proc/self/clear_refs")
+    x = torch.ones(16 << 20)  # 64 MiB, touched
+    del x
+    _release_free_memory()  # the resident set falls back: only the interval's peak still holds the 64 MiB
+    with_tensor = take_peak_resident_bytes()
+    without = take_peak_resident_bytes()  # an interval with nothing allocated: about the resident set now
+    assert with_tensor - without >= 48 << 20
+    assert abs(without - resident_bytes()) < 16 << 20
 
 
 def _point(n, fb, mem, skipped=False):
