@@ -81,15 +81,17 @@ def _site_demo(out: Path, context: int, tokens: int) -> None:
 
 
 # The long comparison the demo's short one is read against: compare's folders of issue-sized runs, seed<N>/ each.
-# A model's run in a later folder replaces its run of the same seed in an earlier one: text_keyprev/ holds the
-# default's sheaf runs since W'_k = W_q at init (key_previous_init: query), text/ the baselines and earlier defaults.
+# A model's run in a later folder replaces its run of the same seed in an earlier one: text_keyprev/ holds the runs
+# of the default since W'_k = W_q at init (key_previous_init: query) with its baselines in the same compare reports,
+# text/ the earlier defaults' (and seed 1's ssm, which text_keyprev/ did not run again).
 LONG_RESULTS = tuple(Path(__file__).resolve().parent.parent / "benchmarks" / "results" / name
                      for name in ("text", "text_keyprev"))
 
 
 def _long_result() -> str:
     """Where the committed 8.4M-token comparison stands, on the mean of its seeds (the models that every
-    seed ran), or that it is not in this checkout."""
+    seed ran), or that it is not in this checkout. The newest folder with runs names the line; a run from an
+    earlier folder names its own."""
     from sheafgnn.experiments.compare_report import standing
 
     runs, tokens = {}, set()  # seed -> model -> (its training row, the folder it came from)
@@ -100,16 +102,18 @@ def _long_result() -> str:
             runs.setdefault(path.parent.name, {}).update(
                 {kind: (row, folder.name) for kind, row in report["training"].items()})
     if not runs:
-        return f"The 8.4M-token comparison (benchmarks/results/{LONG_RESULTS[0].name}/) is not in this checkout."
+        return f"The 8.4M-token comparison (benchmarks/results/{LONG_RESULTS[-1].name}/) is not in this checkout."
+    used = {folder for seed in runs.values() for _, folder in seed.values()}
+    newest = next(f.name for f in reversed(LONG_RESULTS) if f.name in used)
     kinds = [k for k in next(iter(runs.values())) if all(k in seed for seed in runs.values())]
     mean = {k: {"val_bpb": sum(seed[k][0]["val_bpb"] for seed in runs.values()) / len(runs)} for k in kinds}
     per_seed = "; ".join(f"{name}: " + ", ".join(f"{k} {row['val_bpb']:.4f}"
-                                                 + ("" if folder == LONG_RESULTS[0].name else f" ({folder}/)")
+                                                 + ("" if folder == newest else f" ({folder}/)")
                                                  for k, (row, folder) in seed.items())
                          for name, seed in runs.items())  # every model a seed ran, the mean's and others
     partial = sorted({k for seed in runs.values() for k in seed} - set(kinds))
     return (f"At {', '.join(f'{t:,}' for t in sorted(tokens))} tokens per model, mean of {len(runs)} seed(s) "
-            f"(benchmarks/results/{LONG_RESULTS[0].name}/): " + standing(mean).replace("at this budget", "there")
+            f"(benchmarks/results/{newest}/): " + standing(mean).replace("at this budget", "there")
             + (f" Not run in every seed, so not in the mean: {', '.join(partial)}." if partial else "")
             + f" By seed: {per_seed}.")
 

@@ -351,7 +351,7 @@ def test_write_tokens_decodes_characters_split_across_tokens():
 
 def test_long_result_is_the_mean_of_the_seeds_every_model_ran(tmp_path, monkeypatch):
     """Each seed's models from every folder, a later folder's run replacing an earlier one's; the mean over
-    the models every seed ran."""
+    the models every seed ran; the newest folder with runs names the line, a run from another names its own."""
     from sheafgnn import cli
 
     def write(folder, seed, training):
@@ -365,11 +365,12 @@ def test_long_result_is_the_mean_of_the_seeds_every_model_ran(tmp_path, monkeypa
     write("newer", 1, {"sheaf": {"val_bpb": 1.93}})  # replaces seed 1's sheaf run
     monkeypatch.setattr(cli, "LONG_RESULTS", (tmp_path / "text", tmp_path / "newer", tmp_path / "absent"))
     line = cli._long_result()
-    assert "8,388,608 tokens per model, mean of 2 seed(s) (benchmarks/results/text/)" in line
+    assert "8,388,608 tokens per model, mean of 2 seed(s) (benchmarks/results/newer/)" in line
     mean, by_seed = line.split(" By seed: ")
     assert "**sheaf** (1.9400 bits/byte); then ssm 1.9650 (+0.0250)." in mean
     assert mean.endswith("Not run in every seed, so not in the mean: dense.")
-    assert by_seed == "seed0: sheaf 1.9500, ssm 1.9600; seed1: sheaf 1.9300 (newer/), ssm 1.9700, dense 1.0000."
+    assert by_seed == ("seed0: sheaf 1.9500 (text/), ssm 1.9600 (text/); seed1: sheaf 1.9300, ssm 1.9700 (text/), "
+                       "dense 1.0000 (text/).")
     monkeypatch.setattr(cli, "LONG_RESULTS", (tmp_path / "absent",))
     assert cli._long_result().endswith("is not in this checkout.")
 
