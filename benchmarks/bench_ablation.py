@@ -39,11 +39,14 @@ parameters, training tokens/s, and the nodes and edges per token of its sites (b
 of the validation text). The runs share the machine (``--jobs`` at a time, ``--threads`` each), so tokens/s
 compare between variants of one run, not with other benchmarks. Each finished run's row is kept in
 ``<out>/ablation_runs/<variant>_seed<N>.json``: a rerun skips it (resume after a kill; delete to retrain).
+``--report`` trains nothing: it writes the report of the kept rows alone, each variant with the seeds it has
+(a table of a run still going, or stopped).
 
 Usage::
 
     python benchmarks/bench_ablation.py [--tokens 1048576] [--lr 4e-3] [--seeds 0 1] [--jobs 2] [--threads 1]
-        [--variants ssm no_local ...] [--out benchmarks/results]      -> ablation.json, ablation.md, ablation.png
+        [--variants ssm no_local ...] [--out benchmarks/results] [--report]
+        -> ablation.json, ablation.md, ablation.png
 """
 
 from __future__ import annotations
@@ -123,10 +126,15 @@ def site_cost(site: dict, n: int = 8192) -> dict:
             "edges_per_token": sum(data[e].num_edges for e in data.edge_types) / n}
 
 
+def kept_row(name: str, seed: int, out: str) -> Path:
+    """Where the row of ``name`` at ``seed`` is kept."""
+    return Path(out) / "ablation_runs" / f"{name}_seed{seed}.json"
+
+
 def run_variant(name: str, spec: dict, seed: int, args: argparse.Namespace, work: Path) -> dict:
     """Train one variant at one seed (unless its row is kept from an earlier run); its validation bits per byte,
     tokens/s and site cost."""
-    kept = Path(args.out) / "ablation_runs" / f"{name}_seed{seed}.json"
+    kept = kept_row(name, seed, args.out)
     if kept.exists():
         return json.loads(kept.read_text())
     out_dir = work / f"{name}_seed{seed}"
@@ -159,7 +167,7 @@ def markdown(report: dict) -> str:
              f"{cfg['batch_size']}; {cfg['jobs']} runs at a time, {cfg['threads']} thread(s) each, "
              f"{sum(r['train_s'] for r in report['runs']) / 60:.0f} min of training in all (kept runs included). "
              "Change: the variant's mean validation bits per byte minus the "
-             "full model's (positive: what was switched off pays for itself).\n",
+             "full model's over the same seeds (positive: what was switched off pays for itself).\n",
              f"Seed spread of the full model: {report['seed_spread']:.4f} bits/byte (largest minus smallest over the "
              "seeds). Patch types with no nodes in the default sites of the first 8,192 validation tokens, so not "
              f"ablated: {', '.join(report['inactive_patch_types']) or 'none'}.\n",
@@ -169,7 +177,8 @@ def markdown(report: dict) -> str:
              "| nodes / token | edges / token | params |", "|---|---|---:|---:|---|---|---:|---:|---:|---:|"]
     for r in rows:
         beyond = "yes" if abs(r["change_bpb"]) > report["seed_spread"] else "no"
-        lines.append(f"| {r['variant']} | {' / '.join(f'{v:.4f}' for v in r['val_bpb'])} | {r['mean_bpb']:.4f} "
+        only = "" if r["seeds"] == cfg["seeds"] else f" (seed {', '.join(map(str, r['seeds']))} only)"
+        lines.append(f"| {r['variant']} | {' / '.join(f'{v:.4f}' for v in r['val_bpb'])}{only} | {r['mean_bpb']:.4f} "
                      f"| {r['change_bpb']:+.4f} | {' / '.join(f'{c:+.4f}' for c in r['change_per_seed'])} "
                      f"| {'-' if r['variant'] == 'full' else beyond} "
                      f"| {r['train_tokens_per_s']:,.0f} | {r['nodes_per_token']:.2f} | {r['edges_per_token']:.1f} "
@@ -207,6 +216,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--report", action="store_true", help="train nothing: the report of the kept rows")
     args = parser.parse_args()
     active = active_patch_types()
     specs = variants(args.d_model, active)
@@ -216,13 +226,19 @@ def main() -> None:
             raise SystemExit(f"unknown variants {unknown}; choose from {sorted(specs)}")
         specs = {name: spec for name, spec in specs.items() if name == "full" or name in args.variants}
     start, work = time.perf_counter(), Path(tempfile.mkdtemp(prefix="bench_ablation_"))
-    try:
-        with ProcessPoolExecutor(max_workers=args.jobs, mp_context=get_context("spawn")) as pool:
-            futures = [pool.submit(run_variant, name, spec, seed, args, work) for name, spec in specs.items()
-                       for seed in args.seeds]
-            rows = [f.result() for f in futures]
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    if args.report:
+        rows = [json.loads(kept_row(name, seed, args.out).read_text()) for name in specs for seed in args.seeds
+                if kept_row(name, seed, args.out).exists()]
+        if not any(row["variant"] == "full" for row in rows):
+            raise SystemExit(f"no kept row of the full model in {Path(args.out) / 'ablation_runs'}")
+    else:
+        try:
+            with ProcessPoolExecutor(max_workers=args.jobs, mp_context=get_context("spawn")) as pool:
+                futures = [pool.submit(run_variant, name, spec, seed, args, work) for name, spec in specs.items()
+                           for seed in args.seeds]
+                rows = [f.result() for f in futures]
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     by_variant = {}
     for row in rows:
         by_variant.setdefault(row["variant"], []).append(row)
@@ -231,9 +247,12 @@ def main() -> None:
                 "train_tokens_per_s": statistics.mean(r["train_tokens_per_s"] for r in runs)}
                for runs in by_variant.values()]
     full = summary[0]
+    full_at = {r["seed"]: r["val_bpb"] for r in by_variant["full"]}
     for row in summary:
-        row["change_bpb"] = row["mean_bpb"] - full["mean_bpb"]
-        row["change_per_seed"] = [v - f for v, f in zip(row["val_bpb"], full["val_bpb"])]  # runs in seed order
+        row["seeds"] = [r["seed"] for r in by_variant[row["variant"]]]
+        row["change_bpb"] = row["mean_bpb"] - statistics.mean(full_at[seed] for seed in row["seeds"])  # same seeds
+        row["change_per_seed"] = [r["val_bpb"] - full_at[r["seed"]] for r in by_variant[row["variant"]]
+                                  if r["seed"] in full_at]  # the paired view: the same seed, the same data order
     report = {"benchmark": "ablation", "settings": vars(args), "runs": rows, "variants": summary,
               "wall_s": time.perf_counter() - start, "torch": torch.__version__,
               "inactive_patch_types": [p for p in SiteConfig().patch_types if p in SWITCHABLE and p not in active],

@@ -1,0 +1,53 @@
+"""bench_ablation's report of kept rows (``--report``: no training), a variant with fewer seeds than the full model
+compared on its own seeds."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_ablation.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_ablation", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def keep(out: Path, variant: str, seed: int, val_bpb: float) -> None:
+    row = {"variant": variant, "seed": seed, "model": "sheaf", "model_config": {}, "site": {}, "val_bpb": val_bpb,
+           "params": 1000, "tokens": 4096, "train_tokens_per_s": 100.0, "train_s": 60.0, "nodes_per_token": 2.0,
+           "edges_per_token": 10.0}
+    path = out / "ablation_runs" / f"{variant}_seed{seed}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(row))
+
+
+def test_report_of_kept_rows_pairs_a_partial_variant_with_its_seeds(bench, tmp_path, monkeypatch):
+    keep(tmp_path, "full", 0, 2.30)
+    keep(tmp_path, "full", 1, 2.34)
+    keep(tmp_path, "ssm", 0, 2.35)  # seed 1 not run yet
+    monkeypatch.setattr(bench, "active_patch_types", lambda: ["local"])
+    monkeypatch.setattr(sys, "argv", ["bench_ablation.py", "--report", "--variants", "ssm", "no_local",
+                                      "--seeds", "0", "1", "--jobs", "1", "--out", str(tmp_path)])
+    bench.main()
+    report = json.loads((tmp_path / "ablation.json").read_text())
+    rows = {r["variant"]: r for r in report["variants"]}
+    assert set(rows) == {"full", "ssm"}  # no_local has no kept row
+    assert rows["ssm"]["seeds"] == [0] and rows["ssm"]["change_bpb"] == pytest.approx(0.05)  # against seed 0's 2.30
+    assert rows["ssm"]["change_per_seed"] == [pytest.approx(0.05)]
+    assert report["seed_spread"] == pytest.approx(0.04)
+    assert "| ssm | 2.3500 (seed 0 only) | 2.3500 | +0.0500 |" in (tmp_path / "ablation.md").read_text()
+
+
+def test_report_without_the_full_model_says_so(bench, tmp_path, monkeypatch):
+    keep(tmp_path, "ssm", 0, 2.35)
+    monkeypatch.setattr(bench, "active_patch_types", lambda: [])
+    monkeypatch.setattr(sys, "argv", ["bench_ablation.py", "--report", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="no kept row of the full model"):
+        bench.main()
