@@ -1,5 +1,7 @@
+import importlib.util
 import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -147,3 +149,12 @@ def assert_logits_causal(model, text: str, trials: int, atol: float = 1e-5) -> N
             with torch.no_grad():
                 la, lb = model(ga)[: t + 1], model(gb)[: t + 1]
             assert torch.allclose(la, lb, atol=atol), f"{mode}: logits before t={t} depend on the future"
+
+
+def load_benchmark(name: str):
+    """The module of ``benchmarks/<name>.py`` (a script, not a package: loaded from its path)."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

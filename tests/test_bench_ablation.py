@@ -1,22 +1,18 @@
 """bench_ablation's report of kept rows (``--report``: no training), a variant with fewer seeds than the full model
 compared on its own seeds."""
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_ablation.py"
+from .conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_ablation", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_ablation")
 
 
 def keep(out: Path, variant: str, seed: int, val_bpb: float) -> None:

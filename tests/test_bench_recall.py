@@ -1,20 +1,16 @@
 """bench_recall's sweep: which rates it runs, which it keeps, and what rates.json holds (no training: each run's
 report is made up from its model and rate)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_recall.py"
+from .conftest import load_benchmark
 
 
 @pytest.fixture
 def bench(monkeypatch):
-    spec = importlib.util.spec_from_file_location("bench_recall", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("bench_recall")
     accuracy = {("sheaf", 3e-4): 0.2, ("sheaf", 1e-3): 0.6, ("sheaf", 3e-3): 0.9, ("sheaf", 1e-2): 0.1,
                 ("dense_conv", 1e-3): 0.7, ("dense_conv", 3e-3): 0.8, ("dense_conv", 1e-2): 0.95,
                 ("dense_conv", 3e-2): 0.97, ("dense_conv", 1e-1): 0.985,

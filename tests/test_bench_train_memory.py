@@ -1,21 +1,17 @@
 """bench_train_memory's summary of a run: its peak, the rise after the warm-up and the trend of the step peaks
 (no training: the records are made up)."""
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_train_memory.py"
+from .conftest import load_benchmark
+
 MIB = 1 << 20
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_train_memory", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_train_memory")
 
 
 def records(peaks_mib, rss_mib, every=100):
