@@ -39,8 +39,8 @@ parameters, training tokens/s, and the nodes and edges per token of its sites (b
 of the validation text). The runs share the machine (``--jobs`` at a time, ``--threads`` each), so tokens/s
 compare between variants of one run, not with other benchmarks. Each finished run's row is kept in
 ``<out>/ablation_runs/<variant>_seed<N>.json``: a rerun skips it (resume after a kill; delete to retrain).
-``--report`` trains nothing: it writes the report of the kept rows alone, each variant with the seeds it has
-(a table of a run still going, or stopped).
+``--report`` trains nothing: it writes the report of the kept rows alone, each variant with the seeds that it
+and the full model have (a table of a run still going, or stopped).
 
 Usage::
 
@@ -225,13 +225,16 @@ def main() -> None:
         if unknown:
             raise SystemExit(f"unknown variants {unknown}; choose from {sorted(specs)}")
         specs = {name: spec for name, spec in specs.items() if name == "full" or name in args.variants}
-    start, work = time.perf_counter(), Path(tempfile.mkdtemp(prefix="bench_ablation_"))
+    start = time.perf_counter()
     if args.report:
-        rows = [json.loads(kept_row(name, seed, args.out).read_text()) for name in specs for seed in args.seeds
-                if kept_row(name, seed, args.out).exists()]
-        if not any(row["variant"] == "full" for row in rows):
+        kept = [kept_row(name, seed, args.out) for name in specs for seed in args.seeds]
+        rows = [json.loads(path.read_text()) for path in kept if path.exists()]
+        full_seeds = {row["seed"] for row in rows if row["variant"] == "full"}
+        if not full_seeds:
             raise SystemExit(f"no kept row of the full model in {Path(args.out) / 'ablation_runs'}")
+        rows = [row for row in rows if row["seed"] in full_seeds]  # a change is measured at the full model's seed
     else:
+        work = Path(tempfile.mkdtemp(prefix="bench_ablation_"))
         try:
             with ProcessPoolExecutor(max_workers=args.jobs, mp_context=get_context("spawn")) as pool:
                 futures = [pool.submit(run_variant, name, spec, seed, args, work) for name, spec in specs.items()
@@ -251,8 +254,8 @@ def main() -> None:
     for row in summary:
         row["seeds"] = [r["seed"] for r in by_variant[row["variant"]]]
         row["change_bpb"] = row["mean_bpb"] - statistics.mean(full_at[seed] for seed in row["seeds"])  # same seeds
-        row["change_per_seed"] = [r["val_bpb"] - full_at[r["seed"]] for r in by_variant[row["variant"]]
-                                  if r["seed"] in full_at]  # the paired view: the same seed, the same data order
+        row["change_per_seed"] = [r["val_bpb"] - full_at[r["seed"]]  # the paired view: the same data order
+                                  for r in by_variant[row["variant"]]]
     report = {"benchmark": "ablation", "settings": vars(args), "runs": rows, "variants": summary,
               "wall_s": time.perf_counter() - start, "torch": torch.__version__,
               "inactive_patch_types": [p for p in SiteConfig().patch_types if p in SWITCHABLE and p not in active],

@@ -47,3 +47,15 @@ def test_report_without_the_full_model_says_so(bench, tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["bench_ablation.py", "--report", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="no kept row of the full model"):
         bench.main()
+
+
+def test_report_leaves_out_the_seeds_the_full_model_lacks(bench, tmp_path, monkeypatch):
+    keep(tmp_path, "full", 0, 2.30)  # seed 1 of the full model not run yet
+    keep(tmp_path, "ssm", 0, 2.35)
+    keep(tmp_path, "ssm", 1, 2.20)
+    monkeypatch.setattr(bench, "active_patch_types", lambda: [])
+    monkeypatch.setattr(sys, "argv", ["bench_ablation.py", "--report", "--variants", "ssm", "--out", str(tmp_path)])
+    bench.main()
+    ssm = next(r for r in json.loads((tmp_path / "ablation.json").read_text())["variants"] if r["variant"] == "ssm")
+    assert ssm["seeds"] == [0] and ssm["change_bpb"] == pytest.approx(0.05)
+    assert ssm["change_per_seed"] == [pytest.approx(0.05)]

@@ -1,7 +1,6 @@
 """bench_train_memory's summary of a run: its peak, the rise after the warm-up and the trend of the step peaks
 (no training: the records are made up)."""
 
-
 import pytest
 
 from .conftest import load_benchmark
