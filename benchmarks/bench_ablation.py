@@ -66,6 +66,7 @@ import torch
 
 from sheafgnn.data import corpus_ids
 from sheafgnn.experiments.compare import BASELINE_SITE
+from sheafgnn.experiments.components import component_changes, without_patch_type
 from sheafgnn.experiments.report import pyplot, write_json, write_report
 from sheafgnn.lm import matched_options
 from sheafgnn.model import SheafStateConfig
@@ -94,27 +95,9 @@ def variants(d_model: int, patch_types: list[str]) -> dict[str, dict]:
            "ssm_headdim_8": {"model": "ssm", "model_config": {**model, "ssm": {"headdim": 8}},
                              "site": dict(BASELINE_SITE)}}
     for patch_type in patch_types:
-        site = {"patch_types": [p for p in default.site.patch_types if p != patch_type]}
+        site = without_patch_type(default.site.patch_types, patch_type)
         out[f"no_{patch_type}"] = {"model": "sheaf", "model_config": model, "site": site}
-    changes = {"no_content_proposals": {"topology": {"content_blocks": 0}},
-               "no_random_proposals": {"topology": {"random_proposals": 0}},
-               "qk_norm": {"topology": {"qk_norm": not default.topology.qk_norm}},
-               "identity_maps": {"gluing": {"map_kind": "identity"}},
-               "orthogonal_maps": {"gluing": {"map_kind": "orthogonal"}},
-               "general_maps": {"gluing": {"map_kind": "general"}},
-               "headdim_8": {"ssm": {"headdim": 8}},
-               "headdim_16": {"ssm": {"headdim": 16}},
-               "separate_patch_ssm": {"ssm": {"shared": not default.ssm.shared}},
-               "experts_per_type": {"experts": {"shared": not default.experts.shared}},
-               "gluing_into_outputs": {"gluing": {"mode": "outputs", "projections": True}},
-               "pool_loss": {"topology": {"pool_loss_weight": 0.0 if default.topology.pool_loss_weight else 1.0}},
-               "explore": {"topology": {"explore": 0.0 if default.topology.explore else 1.0}},
-               "projections": {"gluing": {"projections": not default.gluing.projections}},
-               "key_previous_init": {"topology": {"key_previous_init": "random" if default.topology.key_previous_init
-                                                  == "query" else "query"}},
-               "rezero_gate": {"gluing": {"gate_init": 0.0, "gate_scale": 1.0} if default.gluing.gate_init
-                               else {"gate_init": 0.1, "gate_scale": 10.0}}}
-    for name, change in changes.items():
+    for name, change in component_changes(default).items():
         out[name] = {"model": "sheaf", "model_config": {**model, **change}, "site": {}}
     return out
 

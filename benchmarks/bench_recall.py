@@ -14,8 +14,11 @@ batches of 32 rows, at most 3,000 steps, tested every 100 steps on 64 held-out r
                tokens with the same pair density (length generalisation)
     scattered  scattered_recall (256, 16), seeds 0-2: binds anywhere in the row, queries at random distances
     induction  induction heads trained at 256 tokens, tested at 256, 1k, 4k and 16k, seeds 0-2
-    identity   the sheaf model with restriction maps fixed to the identity, orthogonal and general, on MQAR
-               (256, 16), seeds 0-2 (diag, the default, is the sizes stage's)
+    components the sheaf model with one part switched (``--variants``, default :data:`COMPONENTS`: the
+               restriction maps fixed to the identity, orthogonal or general, each patch type of the task site,
+               the proposals, QK-norm, the previous-token key's start, the gate), on MQAR (256, 16), seeds 0-2;
+               the default itself (diag maps) is the sizes stage's. The changes are bench_ablation's
+               (:mod:`sheafgnn.experiments.components`), so a part's text and recall verdicts are of one change
 
 Every run is one ``sheafgnn tasks`` process (one model, task, seed and rate; one thread) whose report lands in
 ``<out>/runs/<name>/tasks.json``; a run whose report exists is not run again, so the stages resume where they
@@ -24,9 +27,10 @@ stopped. ``--jobs`` runs go at once (2 on a 2-core machine: the times of concurr
 Usage::
 
     python benchmarks/bench_recall.py [--stages sweep sizes ...] [--models sheaf dense_conv ...] [--jobs 2]
-        [--out benchmarks/results/recall] [--quick] [--report]
-    -> <out>/summary.json (rows: task, seq_len, pairs, vocab, model, map_kind, seed, lr, hash_retrieval,
-       accuracy, steps, seconds), <out>/recall.md, <out>/recall.png (accuracy against steps, every run drawn)
+        [--seeds 0 1 2] [--variants no_local ...] [--out benchmarks/results/recall] [--quick] [--report]
+    -> <out>/summary.json (rows: task, seq_len, pairs, vocab, model, variant, map_kind, seed, lr,
+       hash_retrieval, accuracy, steps, seconds), <out>/recall.md, <out>/recall.png (accuracy against steps,
+       every run drawn)
 """
 
 from __future__ import annotations
@@ -40,14 +44,20 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from sheafgnn.experiments.components import component_changes, without_patch_type
 from sheafgnn.experiments.report import pyplot, save_figure, write_json
+from sheafgnn.experiments.task_runner import TASK_SITE
 
 MODELS = ("sheaf", "dense_conv", "dense", "ssm")
 RATES = {"sheaf": (3e-4, 1e-3, 3e-3), "dense_conv": (1e-3, 3e-3, 1e-2), "dense": (1e-3, 3e-3, 1e-2),
          "ssm": (1e-3, 3e-3, 1e-2)}
 WIDEN = 2  # extra rates a sweep may add on the side of its best
 SEEDS = (0, 1, 2)
-STAGES = ("sweep", "sizes", "scattered", "induction", "identity")
+STAGES = ("sweep", "sizes", "scattered", "induction", "components")
+# the parts switched on recall: the restriction maps of issue 35's table, and every part that text alone does not
+# justify (docs/results.md#ablation-of-the-default-what-each-part-pays-on-text)
+COMPONENTS = ("identity_maps", "orthogonal_maps", "general_maps", "no_local", "no_workspace", "no_content_proposals",
+              "no_random_proposals", "qk_norm", "key_previous_init", "rezero_gate")
 BUDGET = {"steps": 3000, "batch_size": 32, "eval_every": 100, "stop_accuracy": 0.99, "test_examples": 64,
           "warmup_steps": 50, "d_model": 64, "n_layers": 2, "n_heads": 2}
 QUICK = {"steps": 4, "batch_size": 4, "eval_every": 2, "stop_accuracy": 0.99, "test_examples": 4, "warmup_steps": 1,
@@ -62,8 +72,8 @@ QUICK_SIZES = {"vocab": 64, "mqar": ((32, 2), (64, 4), (128, 8)), "scattered": (
                "lengths": ()}
 SIZES = {"vocab": VOCAB, "mqar": MQAR_SIZES, "scattered": SCATTERED, "induction": INDUCTION_LENGTHS,
          "lengths": LENGTHS}
-SUMMARY = ("task", "seq_len", "pairs", "vocab", "model", "map_kind", "seed", "lr", "hash_retrieval", "accuracy",
-           "steps", "seconds")
+SUMMARY = ("task", "seq_len", "pairs", "vocab", "model", "variant", "map_kind", "seed", "lr", "hash_retrieval",
+           "accuracy", "steps", "seconds")
 
 
 def task_flags(task: str, seq_len: int, pairs: int | None, sizes: dict) -> list[str]:
@@ -81,9 +91,25 @@ def task_flags(task: str, seq_len: int, pairs: int | None, sizes: dict) -> list[
             *map(str, lengths)]
 
 
-def run_name(task: str, seq_len: int, model: str, lr: float, seed: int, map_kind: str = "diag") -> str:
-    maps = "" if map_kind == "diag" else f"_{map_kind}"
-    return f"{task}{seq_len}_{model}{maps}_lr{lr:g}_s{seed}"
+def run_name(task: str, seq_len: int, model: str, lr: float, seed: int, variant: str = "") -> str:
+    return f"{task}{seq_len}_{model}{'_' * bool(variant)}{variant}_lr{lr:g}_s{seed}"
+
+
+def variant_options() -> dict[str, dict]:
+    """Variant -> the sheaf model's ``sheaf`` and ``site`` options (the task site's own for the default, "")."""
+    options = {"": {"sheaf": {}, "site": TASK_SITE}}
+    options |= {name: {"sheaf": change, "site": TASK_SITE} for name, change in component_changes().items()}
+    switchable = [p for p in TASK_SITE["patch_types"] if p != "output"]  # output is the readout: always on
+    options |= {f"no_{p}": {"sheaf": {}, "site": {**TASK_SITE, **without_patch_type(TASK_SITE["patch_types"], p)}}
+                for p in switchable}
+    return options
+
+
+def variant_of(config: dict) -> str:
+    """The variant a run's ``sheafgnn tasks`` config trained ("-": the default; JSON: options of no variant)."""
+    options = {"sheaf": config["sheaf"], "site": config["site"]}
+    name = next((name for name, known in variant_options().items() if known == options), None)
+    return json.dumps(options) if name is None else name or "-"
 
 
 def run(out: Path, name: str, flags: list[str], budget: dict) -> dict:
@@ -158,36 +184,33 @@ def sweep(out: Path, models: tuple[str, ...], jobs: int, budget: dict, sizes: di
     return best
 
 
-def stage_specs(stage: str, models: tuple[str, ...], best: dict[str, float], sizes: dict) -> list[tuple[str, list]]:
+def stage_specs(stage: str, models: tuple[str, ...], best: dict[str, float], sizes: dict, seeds: tuple[int, ...],
+                variants: tuple[str, ...] = COMPONENTS) -> list[tuple[str, list]]:
     """The runs of a stage after the sweep: (name, flags)."""
-    specs = []
-    if stage == "identity":
+    if stage == "components":
         n, pairs = sizes["mqar"][1]
-        for map_kind in ("identity", "orthogonal", "general"):
-            for seed in SEEDS:
-                flags = task_flags("mqar", n, pairs, sizes) + ["--models", "sheaf", "--lr", f"{best['sheaf']:g}",
-                                                               "--seed", str(seed), "--sheaf",
-                                                               json.dumps({"gluing": {"map_kind": map_kind}})]
-                specs.append((run_name("mqar", n, "sheaf", best["sheaf"], seed, map_kind), flags))
-        return specs
+        options, lr = variant_options(), best["sheaf"]
+        return [(run_name("mqar", n, "sheaf", lr, seed, variant),
+                 task_flags("mqar", n, pairs, sizes) + ["--models", "sheaf", "--lr", f"{lr:g}", "--seed", str(seed),
+                                                        "--sheaf", json.dumps(options[variant]["sheaf"]),
+                                                        "--site", json.dumps(options[variant]["site"])])
+                for variant in variants for seed in seeds]
     runs = {"sizes": [("mqar", n, p) for n, p in sizes["mqar"]],
             "scattered": [("scattered_recall", *sizes["scattered"])],
             "induction": [("induction_heads", sizes["induction"][0], None)]}[stage]
-    for task, n, pairs in runs:
-        for model in models:
-            for seed in SEEDS:
-                flags = task_flags(task, n, pairs, sizes) + ["--models", model, "--lr", f"{best[model]:g}",
-                                                             "--seed", str(seed)]
-                specs.append((run_name(task, n, model, best[model], seed), flags))
-    return specs
+    return [(run_name(task, n, model, best[model], seed),
+             task_flags(task, n, pairs, sizes) + ["--models", model, "--lr", f"{best[model]:g}", "--seed", str(seed)])
+            for task, n, pairs in runs for model in models for seed in seeds]
 
 
 def summary_rows(out: Path) -> list[dict]:
     """Every finished run's rows (one per test length) with the fields of :data:`SUMMARY`."""
     rows = []
     for report in sorted((out / "runs").glob("*/tasks.json")):
-        for row in json.loads(report.read_text())["summary"]:
-            rows.append({k: row.get(k) for k in SUMMARY} | {"map_kind": row.get("map_kind") or "-",
+        data = json.loads(report.read_text())
+        for row in data["summary"]:
+            rows.append({k: row.get(k) for k in SUMMARY} | {"variant": variant_of(data["config"]),
+                                                            "map_kind": row.get("map_kind") or "-",
                                                             "run": report.parent.name})
     return rows
 
@@ -200,8 +223,8 @@ def curves(out: Path) -> dict:
         data = json.loads(report.read_text())
         for task, r in data["tasks"].items():
             for model, m in r["models"].items():
-                map_kind = data["config"]["sheaf"].get("gluing", {}).get("map_kind", "diag")
-                kind = model if map_kind == "diag" or model != "sheaf" else f"sheaf {map_kind}"
+                variant = variant_of(data["config"])
+                kind = model if variant == "-" else f"{model} {variant}"
                 runs.setdefault((task, r["train_len"]), []).append((kind, data["config"]["lr"], data["config"]["seed"],
                                                                     m["curve"]))
     if not runs:
@@ -238,9 +261,9 @@ def markdown(rows: list[dict], rates: dict) -> str:
         by_task.setdefault((row["task"], row["seq_len"], row["pairs"]), []).append(row)
     for (task, n, pairs), group in sorted(by_task.items()):
         lines += [f"## {task} at {n} tokens" + (f", {pairs} pairs" if pairs else ""), "",
-                  "| model | maps | lr | seed | accuracy | steps | seconds |", "|---|---|---:|---:|---:|---:|---:|"]
-        for r in sorted(group, key=lambda r: (r["model"], r["map_kind"], r["lr"], r["seed"])):
-            lines.append(f"| {r['model']} | {r['map_kind']} | {r['lr']:g} | {r['seed']} | {r['accuracy']:.4f} | "
+                  "| model | variant | lr | seed | accuracy | steps | seconds |", "|---|---|---:|---:|---:|---:|---:|"]
+        for r in sorted(group, key=lambda r: (r["model"], r["variant"], r["lr"], r["seed"])):
+            lines.append(f"| {r['model']} | {r['variant']} | {r['lr']:g} | {r['seed']} | {r['accuracy']:.4f} | "
                          f"{r['steps']} | {r['seconds']:.0f} |")
         lines.append("")
     return "\n".join(lines)
@@ -250,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", nargs="+", default=list(STAGES), choices=STAGES)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS), help="seeds of the stages after the sweep")
+    parser.add_argument("--variants", nargs="+", default=list(COMPONENTS), help="the components stage's variants",
+                        choices=sorted(set(variant_options()) - {""}))
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", default="benchmarks/results/recall")
     parser.add_argument("--quick", action="store_true", help="toy sizes that run in seconds")
@@ -260,13 +286,14 @@ def main(argv: list[str] | None = None) -> int:
     budget, sizes = (QUICK, QUICK_SIZES) if args.quick else (BUDGET, SIZES)
     out.mkdir(parents=True, exist_ok=True)
     if not args.report:
-        # Every later stage trains at the sweep's rates (its runs are reused once done); identity needs sheaf's.
-        swept = models if "sheaf" in models or "identity" not in args.stages else ("sheaf", *models)
+        # Every later stage trains at the sweep's rates (its runs are reused once done); components needs sheaf's.
+        swept = models if "sheaf" in models or "components" not in args.stages else ("sheaf", *models)
         print("== sweep ==", flush=True)
         best = sweep(out, swept, args.jobs, budget, sizes)
         for stage in [s for s in args.stages if s != "sweep"]:
             print(f"== {stage} ==", flush=True)
-            runs_at_once(out, args.jobs, stage_specs(stage, models, best, sizes), budget)
+            specs = stage_specs(stage, models, best, sizes, tuple(args.seeds), tuple(args.variants))
+            runs_at_once(out, args.jobs, specs, budget)
     rows = summary_rows(out)
     if not rows:
         raise SystemExit(f"bench_recall: no finished run in {out / 'runs'}")

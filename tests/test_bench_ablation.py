@@ -59,3 +59,12 @@ def test_report_leaves_out_the_seeds_the_full_model_lacks(bench, tmp_path, monke
     ssm = next(r for r in json.loads((tmp_path / "ablation.json").read_text())["variants"] if r["variant"] == "ssm")
     assert ssm["seeds"] == [0] and ssm["change_bpb"] == pytest.approx(0.05)
     assert ssm["change_per_seed"] == [pytest.approx(0.05)]
+
+
+def test_variants_switch_the_parts_as_the_recall_components_do(bench):
+    from sheafgnn.experiments.components import component_changes
+
+    specs = bench.variants(64, ["local"])
+    for name, change in component_changes().items():
+        assert specs[name]["model_config"] == {"d_model": 64, "n_layers": 2, **change}
+    assert "local" not in specs["no_local"]["site"]["patch_types"]

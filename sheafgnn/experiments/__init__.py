@@ -11,6 +11,7 @@
     learned_topology   a trained model's topology scored against G*          (sheafgnn simulate --learned)
     pool_scoring       the candidate pools against G*: AUC per destination, candidate recall
     inspection         a topology on a text: statistics, exports, plots      (sheafgnn inspect)
+    components         the parts an ablation switches (bench_ablation on text, bench_recall on MQAR)
     report             running a report command, writing reports, plots and fits
 
 Relation graphs and their scoring are library code: :mod:`sheafgnn.relations`.

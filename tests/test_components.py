@@ -1,0 +1,25 @@
+"""The ablation's parts: each change switches its part the other way, whichever way the default goes."""
+
+import pytest
+
+from sheafgnn.experiments.components import component_changes, without_patch_type
+from sheafgnn.model import SheafStateConfig
+
+
+def test_a_two_way_part_is_switched_to_the_other_way():
+    default = SheafStateConfig()
+    changed = SheafStateConfig.from_dict({"topology": component_changes(default)["qk_norm"]["topology"]})
+    assert changed.topology.qk_norm != default.topology.qk_norm
+    switched_back = component_changes(changed)["qk_norm"]["topology"]["qk_norm"]
+    assert switched_back == default.topology.qk_norm
+
+
+def test_every_change_is_a_valid_config():
+    for change in component_changes().values():
+        SheafStateConfig.from_dict(change)  # raises on an unknown field or a wrong type
+
+
+def test_without_patch_type():
+    assert without_patch_type(["local", "workspace", "output"], "local") == {"patch_types": ["workspace", "output"]}
+    with pytest.raises(ValueError, match="not one of"):
+        without_patch_type(["local", "output"], "sentence")
