@@ -32,10 +32,16 @@ trend of the interval peaks after the warm-up (the least-squares slope, MiB per
 1,000 steps: growth that goes on shows as a slope, windows whose sites need more
 memory as scatter around it); and sheaf's peak over dense's) and ``train_memory.png``.
 
+``--trim-every N`` hands the heap's free pages back to the kernel every N steps
+(:func:`sheafgnn.memory.release_free_memory`: glibc's ``malloc_trim``). Training
+keeps freed memory in the heap (:func:`sheafgnn.memory.keep_freed_memory`), so
+without it the resident set is the heap's high-water mark, free pages included;
+with it, each interval's peak is the pages its own steps touched.
+
 Usage::
 
     python benchmarks/bench_train_memory.py [--out benchmarks/results] [--steps 60] [--every 5] [--warmup 20]
-        [--threads 1] [--runs sheaf dense]
+        [--threads 1] [--runs sheaf dense] [--trim-every 0]
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ from sheafgnn.memory import (
     HUGE_PAGES_VARIABLE,
     ONEDNN_CACHE_VARIABLE,
     heap_stats,
+    release_free_memory,
     resident_bytes,
     take_peak_resident_bytes,
     tune_cpu,
@@ -85,9 +92,9 @@ def live_tensor_bytes() -> int:
     return sum(storages.values())
 
 
-def train_here(kind: str, steps: int, every: int, context: int, batch_size: int) -> dict:
+def train_here(kind: str, steps: int, every: int, context: int, batch_size: int, trim_every: int = 0) -> dict:
     """Train one model ``steps`` steps in this process: what :func:`tune_cpu` reported, and a record every
-    ``every`` steps (and the last)."""
+    ``every`` steps (and the last), after handing the heap's free pages back every ``trim_every`` steps (0: never)."""
     settings = tune_cpu()  # what the training loop does first
     compare = CompareConfig(models=KINDS)
     model, site = compare_model(compare, kind, compare_options(compare)[0][kind])
@@ -99,6 +106,8 @@ def train_here(kind: str, steps: int, every: int, context: int, batch_size: int)
     take_peak_resident_bytes()  # the first interval starts at step 1
     for step, batch in enumerate(loader, start=1):
         train_step(model, batch, optimizer, lr=1e-3, grad_clip=1.0)
+        if trim_every and step % trim_every == 0:
+            release_free_memory()
         if step % every == 0 or step == steps:
             rows.append({"step": step, "elapsed_s": time.perf_counter() - start, "rss_bytes": resident_bytes(),
                          "interval_peak_rss_bytes": take_peak_resident_bytes(),
@@ -166,15 +175,17 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--trim-every", type=int, default=0,
+                        help="hand the heap's free pages back every this many steps (malloc_trim; 0: never)")
     parser.add_argument("--one", choices=KINDS, help=argparse.SUPPRESS)  # the child process: one run
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.one:
-        print(json.dumps(train_here(args.one, args.steps, args.every, args.context, args.batch_size)))
+        print(json.dumps(train_here(args.one, args.steps, args.every, args.context, args.batch_size, args.trim_every)))
         return
     result = {"machine": {"platform": platform.platform(), "threads": args.threads, "torch": torch.__version__},
               "steps": args.steps, "context": args.context, "batch_size": args.batch_size, "warmup": args.warmup,
-              "runs": {}}
+              "trim_every": args.trim_every, "runs": {}}
     for name in args.runs:
         kind, env = RUNS[name]
         command = [sys.executable, __file__, "--one", kind, *sys.argv[1:]]

@@ -46,7 +46,7 @@ def _status_kib(key: str) -> int | None:
     return None
 
 
-def _release_free_memory() -> None:
+def release_free_memory() -> None:
     """Return the allocator's free pages to the kernel, so the resident set is the live memory (glibc only)."""
     gc.collect(1)  # the young generations: what the last phase left in cycles (a full pass costs ~0.3 s)
     try:
@@ -84,7 +84,7 @@ class PeakMemory:
             self.start = torch.cuda.memory_allocated(self.device)
             self.method = "torch.cuda.max_memory_allocated"
             return self
-        _release_free_memory()
+        release_free_memory()
         if _reset_hwm():
             self.start = _status_kib("VmRSS") * 1024
             self.method = "VmHWM (peak RSS, reset per phase via /proc/self/clear_refs, after malloc_trim)"

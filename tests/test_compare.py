@@ -27,7 +27,7 @@ from sheafgnn.experiments.compare import (
 from sheafgnn.experiments.compare_report import at_equal_seconds, markdown
 from sheafgnn.experiments.recurrence import bucket_names
 from sheafgnn.lm import MODEL_KINDS, matched_options
-from sheafgnn.memory import PeakMemory, _release_free_memory, heap_stats, resident_bytes, take_peak_resident_bytes
+from sheafgnn.memory import PeakMemory, heap_stats, release_free_memory, resident_bytes, take_peak_resident_bytes
 
 from .conftest import word_corpus
 
@@ -91,7 +91,7 @@ def test_take_peak_resident_bytes_reads_each_interval_once():
         pytest.skip("no /proc/self/clear_refs")
     x = torch.ones(16 << 20)  # 64 MiB, touched
     del x
-    _release_free_memory()  # the resident set falls back: only the interval's peak still holds the 64 MiB
+    release_free_memory()  # the resident set falls back: only the interval's peak still holds the 64 MiB
     with_tensor = take_peak_resident_bytes()
     without = take_peak_resident_bytes()  # an interval with nothing allocated: about the resident set now
     assert with_tensor - without >= 48 << 20
