@@ -250,11 +250,11 @@ def curves(out: Path) -> dict:
     return {"recall.png": fig}
 
 
-def markdown(rows: list[dict], rates: dict) -> str:
+def markdown(rows: list[dict], rates: dict, budget: dict, sizes: dict) -> str:
     """A table per task and training length: accuracy (steps) per model and seed."""
     lines = ["# Recall (benchmarks/bench_recall.py)", "",
-             f"Budget per run: {BUDGET['steps']} steps of {BUDGET['batch_size']} fresh rows, early stop at "
-             f"{BUDGET['stop_accuracy']}, vocabulary {VOCAB}, hash retrieval off. Best rates of the sweep: "
+             f"Budget per run: {budget['steps']} steps of {budget['batch_size']} fresh rows, early stop at "
+             f"{budget['stop_accuracy']}, vocabulary {sizes['vocab']}, hash retrieval off. Best rates of the sweep: "
              f"{json.dumps(rates) if rates else 'none yet (the sweep has not finished)'}.", ""]
     by_task = {}
     for row in rows:
@@ -299,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"bench_recall: no finished run in {out / 'runs'}")
     write_json(out / "summary.json", rows)
     # every model's swept rate, this run's and earlier ones' (a sweep not run to its end has none yet)
-    text = markdown(rows, json.loads((out / "rates.json").read_text())["best"] if (out / "rates.json").exists() else {})
+    rates = json.loads((out / "rates.json").read_text())["best"] if (out / "rates.json").exists() else {}
+    text = markdown(rows, rates, budget, sizes)
     for name, fig in curves(out).items():
         save_figure(fig, out / name, dpi=120)
         text += f"\n![{name}]({name})\n"
