@@ -58,7 +58,7 @@ from sheafgnn.nn.proposals import summary_width
 from sheafgnn.nn.quant import QuantConfig, apply_quant
 from sheafgnn.nn.readout import readout_cross_entropy
 from sheafgnn.nn.segment import gather_segment_mean, ptr_from_index
-from sheafgnn.nn.sheaf import MAP_KINDS, SheafConv
+from sheafgnn.nn.sheaf import MAP_INITS, MAP_KINDS, SheafConv
 from sheafgnn.nn.ssm import SSMConfig
 from sheafgnn.nn.topology import Selection, TopologyConfig, TopologyInput
 from sheafgnn.site.builder import validate_site
@@ -102,6 +102,7 @@ class GluingConfig(ConfigFile):
     gate_scale: float = 10.0
     stalk_dim: int = 4  # d, the stalk dimension of the sheaf (d_model = d * channels)
     map_kind: str = "diag"  # restriction maps: diag | orthogonal | general | identity (SheafConv)
+    map_init: str = "random"  # where learned maps start: random | identity (SheafConv's map_init)
     gate: bool = False  # "outputs": h + g * (G(h) - h) with a per-channel g initialised at 0
     # The D x D linears of the pool (token mean -> patch) and the broadcast (output t -> token t). False ("tokens"
     # mode only: its gate scales what the broadcast adds): the mean and the output row enter as they are
@@ -113,6 +114,8 @@ class GluingConfig(ConfigFile):
         if self.map_kind not in MAP_KINDS or self.stalk_dim < 1:
             raise ValueError(f"GluingConfig: need map_kind in {MAP_KINDS} and stalk_dim >= 1 "
                              f"(got {self.map_kind!r} and {self.stalk_dim})")
+        if self.map_init not in MAP_INITS:
+            raise ValueError(f"GluingConfig: map_init must be one of {MAP_INITS} (got {self.map_init!r})")
         if not self.gate_scale > 0:
             raise ValueError(f"GluingConfig: gate_scale must be > 0 (got {self.gate_scale})")
         if not self.projections and self.mode == "outputs":
@@ -218,7 +221,7 @@ class SheafBlock(nn.Module):
                                                GLUE_EDGES.index(RANDOM_EDGE))
         # The softmax weights of the selection already normalise each destination's messages.
         self.glue = SheafConv(D, gluing.stalk_dim, map_kind=gluing.map_kind, num_edge_types=len(GLUE_EDGES),
-                              normalize="none")
+                              normalize="none", map_init=gluing.map_init)
         self.glue_gate = nn.Parameter(torch.zeros(D)) if gluing.gate else None
         self.broadcast = nn.Linear(D, D, bias=False) if gluing.projections else nn.Identity()
         # A gate of one entry per channel (ReZero / Flamingo at gate_init 0), not a matrix: a zero D x D matrix

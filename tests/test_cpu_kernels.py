@@ -299,11 +299,14 @@ def test_step_kernels_check_their_input():
 @needs_step_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("N, E", [(3, 8), (40, 200), (5, 0)])
-def test_glue_diag_equals_sheafconv(monkeypatch, dtype, N, E):
+@pytest.mark.parametrize("map_init", ["random", "identity"])
+def test_glue_diag_equals_sheafconv(monkeypatch, dtype, N, E, map_init):
     """SheafConv in inference with the model's configuration (diag maps, normalize "none", ELU, sorted typed
-    weighted edges with their ptr): the kernel equals the PyTorch layer, nodes without in-edges included."""
+    weighted edges with their ptr): the kernel equals the PyTorch layer, nodes without in-edges included, for
+    maps of either start (the offset of maps that start at the identity)."""
     g = torch.Generator().manual_seed(N + E)
-    conv = _random_(SheafConv(24, 4, map_kind="diag", num_edge_types=5, normalize="none"), g).to(dtype)
+    conv = _random_(SheafConv(24, 4, map_kind="diag", num_edge_types=5, normalize="none", map_init=map_init),
+                    g).to(dtype)
     x = torch.randn(N, 24, generator=g, dtype=dtype)
     edge_index = torch.randint(0, N, (2, E), generator=g)
     edge_index, perm, ptr = sort_by_destination(edge_index, torch.arange(E), num_nodes=N)
@@ -332,7 +335,7 @@ def test_glue_diag_reads_bipartite_sources_in_place(monkeypatch, dtype):
     with pytest.raises(RuntimeError, match="a source past the 50 rows"):
         cpu_kernels.glue_diag()(x_dst, torch.tensor([50]), torch.tensor([0, 1, 1, 1, 1, 1, 1]), edge_type[:1],
                                 weight[:1], conv.map_lin.weight, conv.map_type_emb.weight, conv.weight_channel,
-                                conv.eps, x_src)
+                                conv.eps, x_src, 0.0)
     with torch.no_grad():
         assert conv._kernel(x_dst, edge_index, edge_type, weight, ptr) is not None
         out = conv((x_src, x_dst), edge_index, edge_type, weight, ptr=ptr)

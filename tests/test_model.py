@@ -339,6 +339,8 @@ def test_the_config_has_a_group_per_part():
         SheafStateConfig(gluing={"mode": "both"})
     with pytest.raises(ValueError, match="GluingConfig: projections false needs mode 'tokens'"):
         SheafStateConfig(gluing={"mode": "outputs", "projections": False})
+    with pytest.raises(ValueError, match="GluingConfig: map_init must be one of"):
+        SheafStateConfig(gluing={"map_init": "zeros"})
 
 
 def test_flat_keys_of_earlier_versions_load_with_a_deprecation_warning():

@@ -212,6 +212,33 @@ def test_identity_maps_learn_nothing():
     assert torch.equal(f_src, torch.eye(4).expand(EDGE_INDEX.size(1), 4, 4)) and torch.equal(f_src, f_dst)
 
 
+@pytest.mark.parametrize("map_kind", ["diag", "general", "orthogonal"])
+@pytest.mark.parametrize("hidden", [None, 8])
+def test_maps_from_identity_start_as_identity_maps_and_learn(map_kind, hidden):
+    """map_init='identity': at the start every learned map is I, so the layer equals the identity-map layer with
+    the same weights; and the learner's gradient is not zero, so the maps move from there."""
+    torch.manual_seed(0)
+    conv = SheafConv(12, stalk_dim=4, map_kind=map_kind, num_edge_types=3, map_hidden_channels=hidden,
+                     map_init="identity")
+    fixed = SheafConv(12, stalk_dim=4, map_kind="identity", num_edge_types=3)
+    fixed.load_state_dict({k: v for k, v in conv.state_dict().items() if k in ("weight_channel", "eps")})
+    x = torch.randn(N, 12)
+    f_src, f_dst = conv.restriction_maps(x, EDGE_INDEX, EDGE_TYPE)
+    eye = torch.eye(4).expand_as(f_src)  # restriction_maps gives diag maps as matrices too
+    torch.testing.assert_close(f_src, eye)
+    torch.testing.assert_close(f_dst, eye)
+    out = conv(x, EDGE_INDEX, EDGE_TYPE)
+    torch.testing.assert_close(out, fixed(x, EDGE_INDEX, EDGE_TYPE))
+    out.square().sum().backward()
+    learner = conv.map_out.weight if hidden else conv.map_lin.weight
+    assert learner.grad.abs().sum() > 0
+
+
+def test_map_init_must_be_known():
+    with pytest.raises(ValueError, match="map_init must be one of"):
+        SheafConv(12, stalk_dim=4, map_init="zeros")
+
+
 def test_energy_zero_on_global_section():
     conv = SheafConv(6, stalk_dim=3, map_kind="orthogonal")
     with torch.no_grad():  # identity restriction maps

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from sheafgnn.model import SheafStateLM
+from sheafgnn.model import SheafStateConfig, SheafStateLM
 from sheafgnn.nn import cpu_kernels
 from sheafgnn.nn.inference import RowBuffer
 from sheafgnn.nn.topology import LearnedTopology
@@ -110,6 +110,27 @@ def test_stream_equals_full_forward_in_float64(monkeypatch, full_config, map_kin
     ids = torch.tensor(list((PROSE + CODE).encode()))[:300]
     full = _full_logits(model, ids)
     for chunk in (1, 7, 64):
+        torch.testing.assert_close(_streamed(model.stream(), ids, chunk), full, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("kernels", [pytest.param("1", marks=pytest.mark.needs("step_kernels"), id="kernels"),
+                                     pytest.param("0", id="pytorch")])
+def test_stream_equals_full_forward_with_maps_from_identity(monkeypatch, full_config, kernels):
+    """Diag maps that start at the identity (gluing.map_init, F = I + tanh(h)), their learner moved away from its
+    zero start so that the offset and the learned part both count: the stream equals the full forward in float64,
+    with the glue_diag kernel and without it."""
+    monkeypatch.setenv("SHEAFGNN_CPU_KERNELS", kernels)
+    config = small_model_config(full_config, proposal_block=4, content_blocks=3).to_dict()
+    config["gluing"] = {**config["gluing"], "map_init": "identity"}
+    torch.manual_seed(0)
+    model = SheafStateLM(SheafStateConfig.from_dict(config)).eval().double()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "map_lin" in name or "map_type_emb" in name:
+                p.normal_(0.0, 0.5)
+    ids = torch.tensor(list((PROSE + CODE).encode()))[:300]
+    full = _full_logits(model, ids)
+    for chunk in (1, 7):
         torch.testing.assert_close(_streamed(model.stream(), ids, chunk), full, atol=1e-10, rtol=0)
 
 

@@ -21,8 +21,8 @@
     stream_keys(h (N, D), state (R, D), previous_row (T,), no_previous (T,), num_rows, query_weight, key_weight,
                 key_previous_weight) -> (query (N, r), key (num_rows, r))
         the learned topology's queries and keys of a stream batch's new nodes (LearnedTopology.queries_and_keys)
-    glue_diag(x (N, D), src, ptr, edge_type, edge_weight, map_lin, map_type_emb, weight_channel, eps, x_src)
-              -> (N, D)
+    glue_diag(x (N, D), src, ptr, edge_type, edge_weight, map_lin, map_type_emb, weight_channel, eps, x_src,
+              map_offset) -> (N, D)
         SheafConv with diag maps in inference, edges sorted by destination, sources in x_src (bipartite) or x
         (SheafConv.forward)
 

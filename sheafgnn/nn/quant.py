@@ -435,7 +435,7 @@ class QuantSheafConv(SheafConv):
         with torch.random.fork_rng(devices=[]):  # the throwaway init must not move the global RNG
             q = cls(conv.in_channels, conv.stalk_dim, map_kind=conv.map_kind, num_edge_types=conv.num_edge_types,
                     map_hidden_channels=conv.map_hidden_channels, stalk_mixing=conv.stalk_mixing,
-                    normalize=conv.normalize, act=conv.act, map_values=map_values)
+                    normalize=conv.normalize, act=conv.act, map_init=conv.map_init, map_values=map_values)
         q._parameters, q._buffers, q._modules = conv._parameters, conv._buffers, conv._modules
         q._non_persistent_buffers_set = set(conv._non_persistent_buffers_set)
         q.train(conv.training)

@@ -50,6 +50,7 @@ from sheafgnn.nn.segment import (
 __all__ = ["MAP_KINDS", "NORMALIZATIONS", "SheafConv"]
 
 MAP_KINDS = ("diag", "orthogonal", "general", "identity")
+MAP_INITS = ("random", "identity")  # where learned maps start (SheafConv's map_init)
 NORMALIZATIONS = ("in_degree", "weight", "none")
 
 
@@ -90,9 +91,11 @@ class SheafConv(MessagePassing):
     :math:`(\mathbf{I} + \mathbf{A})^{-1}(\mathbf{I} - \mathbf{A})` of a skew
     matrix :math:`\mathbf{A}` (:obj:`"orthogonal"`: exactly orthogonal, in
     :math:`SO(d)`); :obj:`"identity"` fixes every map to :math:`\mathbf{I}` (no map learner: the
-    ablation of learned maps). The first layer of :math:`\Psi` is evaluated per node and gathered per
-    edge, which equals the per-edge linear layer on the concatenation at :math:`O(|\mathcal{V}|)`
-    instead of :math:`O(|\mathcal{E}|)` matmul cost.
+    ablation of learned maps). With :obj:`map_init="identity"` learned maps start there: the learner's
+    last layer starts at zero and the diag and general maps are :math:`\mathbf{I} + \tanh(\cdot)`
+    (the Cayley transform of zero is already :math:`\mathbf{I}`). The first layer of :math:`\Psi` is
+    evaluated per node and gathered per edge, which equals the per-edge linear layer on the
+    concatenation at :math:`O(|\mathcal{V}|)` instead of :math:`O(|\mathcal{E}|)` matmul cost.
 
     The layer applies the destination's row of the in-edge sheaf Laplacian,
     in matrix form
@@ -164,6 +167,9 @@ class SheafConv(MessagePassing):
             :obj:`"none"` (see above). (default: :obj:`"in_degree"`)
         act (str or Callable, optional): The non-linearity :math:`\sigma`.
             (default: :obj:`"elu"`)
+        map_init (str, optional): Where learned maps start: :obj:`"random"`
+            (the learner's default initialisation) or :obj:`"identity"` (see
+            above). (default: :obj:`"random"`)
 
     Shapes:
         - **input:**
@@ -189,6 +195,7 @@ class SheafConv(MessagePassing):
         stalk_mixing: bool = False,
         normalize: str = "in_degree",
         act: str | Callable | None = "elu",
+        map_init: str = "random",
     ) -> None:
         super().__init__(aggr="sum", node_dim=0)
         name = self.__class__.__name__
@@ -204,11 +211,16 @@ class SheafConv(MessagePassing):
             raise ValueError(f"{name}: map_hidden_channels must be >= 1 or None (got {map_hidden_channels})")
         if normalize not in NORMALIZATIONS:
             raise ValueError(f"{name}: normalize must be one of {NORMALIZATIONS} (got {normalize!r})")
+        if map_init not in MAP_INITS:
+            raise ValueError(f"{name}: map_init must be one of {MAP_INITS} (got {map_init!r})")
 
         self.in_channels = in_channels
         self.stalk_dim = stalk_dim
         self.channels = in_channels // stalk_dim  # f
         self.map_kind = map_kind
+        self.map_init = map_init
+        # "identity": F = I + tanh(h) with h's layer at zero (diag, general); Cayley(0) is already I (orthogonal)
+        self.map_offset = float(map_init == "identity" and map_kind in ("diag", "general"))
         self.num_edge_types = num_edge_types
         self.map_hidden_channels = map_hidden_channels
         self.stalk_mixing = stalk_mixing
@@ -253,6 +265,11 @@ class SheafConv(MessagePassing):
                             std=1.0 / math.sqrt(self.in_channels))
             if self.map_out is not None:
                 self.map_out.reset_parameters()
+            if self.map_init == "identity":  # the learner's last layer at zero: h = 0, so every map starts at I
+                last = [self.map_out.weight, self.map_out.bias] if self.map_out is not None else \
+                    [self.map_lin.weight, self.map_type_emb.weight]
+                for weight in last:
+                    nn.init.zeros_(weight)
         glorot(self.weight_channel)
         if self.weight_stalk is not None:
             with torch.no_grad():
@@ -285,9 +302,11 @@ class SheafConv(MessagePassing):
             h = self.map_out(torch.relu(h))  # (2 * num_edges, P)
 
         if self.map_kind == "diag":
-            maps = torch.tanh(h)  # (2 * num_edges, d)
+            maps = torch.tanh(h) + self.map_offset  # (2 * num_edges, d)
         elif self.map_kind == "general":
             maps = torch.tanh(h).view(-1, d, d)  # (2 * num_edges, d, d)
+            if self.map_offset:
+                maps = maps + torch.eye(d, dtype=h.dtype, device=h.device)
         else:  # Cayley transform of a skew matrix: exactly orthogonal
             a = h.new_zeros(h.size(0), d, d)  # (2 * num_edges, d, d)
             a[:, self._triu[0], self._triu[1]] = h
@@ -372,7 +391,7 @@ class SheafConv(MessagePassing):
         call = None if return_energy else self._kernel(x, edge_index, edge_type, edge_weight, ptr)
         if call is not None:
             kernel, weights = call
-            return kernel(x, edge_index[0], ptr, edge_type, edge_weight, *weights, x.new_empty(0))
+            return kernel(x, edge_index[0], ptr, edge_type, edge_weight, *weights, x.new_empty(0), self.map_offset)
         N = x.size(0)
         d, f = self.stalk_dim, self.channels
         edges = self._sorted_edges(x, edge_index, edge_type, edge_weight, ptr)
@@ -420,7 +439,7 @@ class SheafConv(MessagePassing):
         call = None if return_energy else self._kernel(x_dst, edge_index, edge_type, edge_weight, ptr)
         if call is not None:
             kernel, weights = call
-            return kernel(x_dst, edge_index[0], ptr, edge_type, edge_weight, *weights, x_src)
+            return kernel(x_dst, edge_index[0], ptr, edge_type, edge_weight, *weights, x_src, self.map_offset)
         N, E = x_dst.size(0), edge_index.size(1)
         local = torch.stack([torch.arange(N, N + E, device=x_dst.device), edge_index[1]])
         ptr = None if ptr is None else torch.cat([ptr, ptr[-1:].expand(E)])

@@ -34,10 +34,12 @@
 //     the cached state of the token before (nothing where no_previous: position 0).
 //
 // glue_diag(x (N, d * f), src (E,), ptr (N + 1,), edge_type (E,), edge_weight (E,), map_lin (2d, d * f),
-//           map_type_emb (T, d), weight_channel (f, f), eps (d,), x_src (R, d * f) or empty) -> (N, d * f)
+//           map_type_emb (T, d), weight_channel (f, f), eps (d,), x_src (R, d * f) or empty, map_offset)
+//           -> (N, d * f)
 //     SheafConv with diag maps, no map hidden layer, no stalk mixing, normalize "none" and ELU, for edges sorted
 //     by destination (CSR ptr): per destination v, lap_v = sum_e alpha_e F_v (F_v Y_v - F_u Y_u) with
-//     F = tanh(map_lin halves + type embedding), Y = X W1, and out_v = (1 + tanh eps) X_v - ELU(lap_v). Edge e's
+//     F = map_offset + tanh(map_lin halves + type embedding) (map_offset 1: maps that start at the identity),
+//     Y = X W1, and out_v = (1 + tanh eps) X_v - ELU(lap_v). Edge e's
 //     source is row src[e] of x_src (bipartite: a stream's new nodes read their cached sources in place), or
 //     of x where x_src is empty.
 //
@@ -440,7 +442,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> stream_po
 
 torch::Tensor glue_diag(torch::Tensor x, torch::Tensor src, torch::Tensor ptr, torch::Tensor edge_type,
                         torch::Tensor edge_weight, torch::Tensor map_lin, torch::Tensor map_type_emb,
-                        torch::Tensor weight_channel, torch::Tensor eps, torch::Tensor x_src) {
+                        torch::Tensor weight_channel, torch::Tensor eps, torch::Tensor x_src, double map_offset) {
   const int64_t d = eps.numel(), f = weight_channel.size(0);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == d * f && weight_channel.sizes() == torch::IntArrayRef({f, f}) &&
               map_lin.sizes() == torch::IntArrayRef({2 * d, d * f}) && map_type_emb.dim() == 2 &&
@@ -468,6 +470,7 @@ torch::Tensor glue_diag(torch::Tensor x, torch::Tensor src, torch::Tensor ptr, t
   auto out = torch::empty({N, D}, x.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "glue_diag", [&] {
     using T_ = scalar_t;
+    const T_ offset = static_cast<T_>(map_offset);
     const T_ *xp = x.data_ptr<T_>(), *xs = x_src.data_ptr<T_>(), *wp = edge_weight.data_ptr<T_>();
     const T_* ml = map_lin.data_ptr<T_>();
     const T_ *emb = map_type_emb.data_ptr<T_>(), *w1 = weight_channel.data_ptr<T_>(), *ep = eps.data_ptr<T_>();
@@ -490,8 +493,8 @@ torch::Tensor glue_diag(torch::Tensor x, torch::Tensor src, torch::Tensor ptr, t
           transform(xs + sp[e] * D, g_u.data(), y_u.data());
           const T_* te = emb + tp[e] * d;
           for (int64_t i = 0; i < d; ++i) {
-            const T_ f_u = std::tanh(g_u[i] + g_v[d + i] + te[i]);  // Psi(x_u, x_v)
-            const T_ f_v = std::tanh(g_v[i] + g_u[d + i] + te[i]);  // Psi(x_v, x_u)
+            const T_ f_u = offset + std::tanh(g_u[i] + g_v[d + i] + te[i]);  // Psi(x_u, x_v)
+            const T_ f_v = offset + std::tanh(g_v[i] + g_u[d + i] + te[i]);  // Psi(x_v, x_u)
             const T_ a = wp[e] * f_v;
             for (int64_t j = 0; j < f; ++j) lap[i * f + j] += a * (f_v * y_v[i * f + j] - f_u * y_u[i * f + j]);
           }
