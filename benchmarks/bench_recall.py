@@ -15,8 +15,9 @@ batches of 32 rows, at most 3,000 steps, tested every 100 steps on 64 held-out r
     scattered  scattered_recall (256, 16), seeds 0-2: binds anywhere in the row, queries at random distances
     induction  induction heads trained at 256 tokens, tested at 256, 1k, 4k and 16k, seeds 0-2
     components the sheaf model with one part switched (``--variants``, default :data:`COMPONENTS`: the
-               restriction maps fixed to the identity, orthogonal or general, each patch type of the task site,
-               the proposals, QK-norm, the previous-token key's start, the gate), on MQAR (256, 16), seeds 0-2;
+               restriction maps fixed to the identity, orthogonal or general, or learned from the identity, each
+               patch type of the task site, the proposals, QK-norm, the previous-token key's start, the gate),
+               on MQAR (256, 16), seeds 0-2;
                the default itself (diag maps) is the sizes stage's. The changes are bench_ablation's
                (:mod:`sheafgnn.experiments.components`), so a part's text and recall verdicts are of one change
 
@@ -56,8 +57,8 @@ SEEDS = (0, 1, 2)
 STAGES = ("sweep", "sizes", "scattered", "induction", "components")
 # the parts switched on recall: the restriction maps of issue 35's table, and every part that text alone does not
 # justify (docs/results.md#ablation-of-the-default-what-each-part-pays-on-text)
-COMPONENTS = ("identity_maps", "orthogonal_maps", "general_maps", "no_local", "no_workspace", "no_content_proposals",
-              "no_random_proposals", "qk_norm", "key_previous_init", "rezero_gate")
+COMPONENTS = ("identity_maps", "orthogonal_maps", "general_maps", "maps_from_identity", "no_local", "no_workspace",
+              "no_content_proposals", "no_random_proposals", "qk_norm", "key_previous_init", "rezero_gate")
 BUDGET = {"steps": 3000, "batch_size": 32, "eval_every": 100, "stop_accuracy": 0.99, "test_examples": 64,
           "warmup_steps": 50, "d_model": 64, "n_layers": 2, "n_heads": 2}
 QUICK = {"steps": 4, "batch_size": 4, "eval_every": 2, "stop_accuracy": 0.99, "test_examples": 4, "warmup_steps": 1,
