@@ -185,6 +185,13 @@ def sweep(out: Path, models: tuple[str, ...], jobs: int, budget: dict, sizes: di
     return best
 
 
+def swept_models(stages: list[str], models: tuple[str, ...]) -> tuple[str, ...]:
+    """The models whose rates the stages train at (a finished sweep's runs are reused): every model's, but only
+    the sheaf model's when the components stage runs alone, since it trains only the sheaf model."""
+    needed = models if set(stages) - {"components"} else ()
+    return needed if "components" not in stages or "sheaf" in needed else ("sheaf", *needed)
+
+
 def stage_specs(stage: str, models: tuple[str, ...], best: dict[str, float], sizes: dict, seeds: tuple[int, ...],
                 variants: tuple[str, ...] = COMPONENTS) -> list[tuple[str, list]]:
     """The runs of a stage after the sweep: (name, flags)."""
@@ -287,10 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     budget, sizes = (QUICK, QUICK_SIZES) if args.quick else (BUDGET, SIZES)
     out.mkdir(parents=True, exist_ok=True)
     if not args.report:
-        # Every later stage trains at the sweep's rates (its runs are reused once done); components needs sheaf's.
-        swept = models if "sheaf" in models or "components" not in args.stages else ("sheaf", *models)
         print("== sweep ==", flush=True)
-        best = sweep(out, swept, args.jobs, budget, sizes)
+        best = sweep(out, swept_models(args.stages, models), args.jobs, budget, sizes)
         for stage in [s for s in args.stages if s != "sweep"]:
             print(f"== {stage} ==", flush=True)
             specs = stage_specs(stage, models, best, sizes, tuple(args.seeds), tuple(args.variants))

@@ -89,6 +89,14 @@ def test_components_stage_runs_the_sheaf_model_with_each_variant_at_its_rate():
     assert module.variant_of(trained) == "qk_norm"
 
 
+def test_the_components_stage_alone_sweeps_only_the_sheaf_model():
+    module = load_benchmark("bench_recall")
+    assert module.swept_models(["components"], module.MODELS) == ("sheaf",)
+    assert module.swept_models(["sizes", "components"], ("dense_conv",)) == ("sheaf", "dense_conv")
+    assert module.swept_models(["sizes"], ("dense_conv",)) == ("dense_conv",)
+    assert module.swept_models(list(module.STAGES), module.MODELS) == module.MODELS
+
+
 def test_summary_rows_name_the_variant_of_each_run(tmp_path):
     module = load_benchmark("bench_recall")
     options = module.variant_options()
