@@ -17,7 +17,7 @@ batches of 32 rows, at most 3,000 steps, tested every 100 steps on 64 held-out r
     components the sheaf model with one part switched (``--variants``, default :data:`COMPONENTS`: the
                restriction maps fixed to the identity, orthogonal or general, or learned from the identity, each
                patch type of the task site, the proposals, QK-norm, the previous-token key's start, the gate),
-               on MQAR (256, 16), seeds 0-2;
+               on MQAR (256, 16) (``--component-sizes``: others, e.g. ``256x16 512x32``), seeds 0-2;
                the default itself (diag maps) is the sizes stage's. The changes are bench_ablation's
                (:mod:`sheafgnn.experiments.components`), so a part's text and recall verdicts are of one change
 
@@ -28,7 +28,8 @@ stopped. ``--jobs`` runs go at once (2 on a 2-core machine: the times of concurr
 Usage::
 
     python benchmarks/bench_recall.py [--stages sweep sizes ...] [--models sheaf dense_conv ...] [--jobs 2]
-        [--seeds 0 1 2] [--variants no_local ...] [--out benchmarks/results/recall] [--quick] [--report]
+        [--seeds 0 1 2] [--variants no_local ...] [--component-sizes 256x16 ...] [--out benchmarks/results/recall]
+        [--quick] [--report]
     -> <out>/summary.json (rows: task, seq_len, pairs, vocab, model, variant, map_kind, seed, lr,
        hash_retrieval, accuracy, steps, seconds), <out>/recall.md, <out>/recall.png (accuracy against steps,
        every run drawn)
@@ -70,9 +71,9 @@ INDUCTION_LENGTHS = (256, 1024, 4096, 16384)  # trained at the first
 LENGTHS = (1024, 4096)  # MQAR (256, 16) also tested here, at its pair density
 # --quick: toy sizes that check the plumbing in a few minutes
 QUICK_SIZES = {"vocab": 64, "mqar": ((32, 2), (64, 4), (128, 8)), "scattered": (48, 4), "induction": (32, 64),
-               "lengths": ()}
+               "lengths": (), "components": ((64, 4),)}
 SIZES = {"vocab": VOCAB, "mqar": MQAR_SIZES, "scattered": SCATTERED, "induction": INDUCTION_LENGTHS,
-         "lengths": LENGTHS}
+         "lengths": LENGTHS, "components": ((256, 16),)}
 SUMMARY = ("task", "seq_len", "pairs", "vocab", "model", "variant", "map_kind", "seed", "lr", "hash_retrieval",
            "accuracy", "steps", "seconds")
 
@@ -90,6 +91,17 @@ def task_flags(task: str, seq_len: int, pairs: int | None, sizes: dict) -> list[
     lengths = sizes["induction"]
     return ["--tasks", "induction_heads", "--induction-train-len", str(lengths[0]), "--induction-test-lens",
             *map(str, lengths)]
+
+
+def mqar_size(text: str) -> tuple[int, int]:
+    """``"512x32"`` -> (512, 32): an MQAR length and its number of pairs."""
+    try:
+        seq_len, pairs = map(int, text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"an MQAR size is LENxPAIRS, e.g. 256x16 (got {text!r})") from None
+    if not 0 < 2 * pairs < seq_len:
+        raise argparse.ArgumentTypeError(f"an MQAR size needs 0 < 2 * pairs < length (got {text!r})")
+    return seq_len, pairs
 
 
 def run_name(task: str, seq_len: int, model: str, lr: float, seed: int, variant: str = "") -> str:
@@ -196,13 +208,12 @@ def stage_specs(stage: str, models: tuple[str, ...], best: dict[str, float], siz
                 variants: tuple[str, ...] = COMPONENTS) -> list[tuple[str, list]]:
     """The runs of a stage after the sweep: (name, flags)."""
     if stage == "components":
-        n, pairs = sizes["mqar"][1]
         options, lr = variant_options(), best["sheaf"]
         return [(run_name("mqar", n, "sheaf", lr, seed, variant),
                  task_flags("mqar", n, pairs, sizes) + ["--models", "sheaf", "--lr", f"{lr:g}", "--seed", str(seed),
                                                         "--sheaf", json.dumps(options[variant]["sheaf"]),
                                                         "--site", json.dumps(options[variant]["site"])])
-                for variant in variants for seed in seeds]
+                for n, pairs in sizes["components"] for variant in variants for seed in seeds]
     runs = {"sizes": [("mqar", n, p) for n, p in sizes["mqar"]],
             "scattered": [("scattered_recall", *sizes["scattered"])],
             "induction": [("induction_heads", sizes["induction"][0], None)]}[stage]
@@ -284,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS), help="seeds of the stages after the sweep")
     parser.add_argument("--variants", nargs="+", default=list(COMPONENTS), help="the components stage's variants",
                         choices=sorted(set(variant_options()) - {""}))
+    parser.add_argument("--component-sizes", nargs="+", type=mqar_size, metavar="LENxPAIRS",
+                        help="the components stage's MQAR sizes (default 256x16)")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", default="benchmarks/results/recall")
     parser.add_argument("--quick", action="store_true", help="toy sizes that run in seconds")
@@ -292,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out, models = Path(args.out), tuple(args.models)
     budget, sizes = (QUICK, QUICK_SIZES) if args.quick else (BUDGET, SIZES)
+    if args.component_sizes:
+        sizes = {**sizes, "components": tuple(args.component_sizes)}
     out.mkdir(parents=True, exist_ok=True)
     if not args.report:
         print("== sweep ==", flush=True)

@@ -1,6 +1,7 @@
 """bench_recall's sweep: which rates it runs, which it keeps, and what rates.json holds (no training: each run's
 report is made up from its model and rate)."""
 
+import argparse
 import json
 
 import pytest
@@ -87,6 +88,18 @@ def test_components_stage_runs_the_sheaf_model_with_each_variant_at_its_rate():
     assert flags["--models"] == "sheaf" and flags["--lr"] == "0.0003" and flags["--mqar-seq-len"] == "256"
     trained = {"sheaf": json.loads(flags["--sheaf"]), "site": json.loads(flags["--site"])}
     assert module.variant_of(trained) == "qk_norm"
+
+
+def test_components_stage_runs_each_of_its_sizes():
+    module = load_benchmark("bench_recall")
+    sizes = {**module.SIZES, "components": (module.mqar_size("256x16"), module.mqar_size("512X32"))}
+    specs = module.stage_specs("components", ("sheaf",), {"sheaf": 3e-4}, sizes, (1,), ("maps_from_identity",))
+    assert [name for name, _ in specs] == ["mqar256_sheaf_maps_from_identity_lr0.0003_s1",
+                                           "mqar512_sheaf_maps_from_identity_lr0.0003_s1"]
+    assert "--mqar-test-lens" not in specs[1][1]  # only (256, 16) is tested at other lengths
+    for bad in ("512", "512x", "512x300", "x32", "ax2"):
+        with pytest.raises(argparse.ArgumentTypeError, match="LENxPAIRS|pairs"):
+            module.mqar_size(bad)
 
 
 def test_the_components_stage_alone_sweeps_only_the_sheaf_model():
