@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch_geometric.data import Data
 
+from sheafgnn.nn.restriction import maps_from_learner
 from sheafgnn.nn.segment import (
     HAS_TORCH_SCATTER,
     ptr_from_index,
@@ -237,6 +238,21 @@ def test_maps_from_identity_start_as_identity_maps_and_learn(map_kind, hidden):
 def test_map_init_must_be_known():
     with pytest.raises(ValueError, match="map_init must be one of"):
         SheafConv(12, stalk_dim=4, map_init="zeros")
+
+
+@pytest.mark.parametrize("kind, width", [("diag", 4), ("general", 16), ("orthogonal", 6)])
+def test_maps_from_learner_start_at_the_identity_and_keep_their_kind(kind, width):
+    eye = torch.eye(4).expand(3, 4, 4)
+    offset = 0.0 if kind == "orthogonal" else 1.0  # Cayley(0) is I without one
+    start = maps_from_learner(torch.zeros(3, width), kind, 4, offset)
+    torch.testing.assert_close(torch.diag_embed(start) if kind == "diag" else start, eye)
+    maps = maps_from_learner(torch.randn(3, width, dtype=torch.float64), kind, 4)
+    if kind == "orthogonal":
+        torch.testing.assert_close(maps @ maps.transpose(1, 2), eye.double())
+    else:
+        assert maps.abs().max() < 1  # tanh
+    with pytest.raises(ValueError, match="no learned maps of kind 'identity'"):
+        maps_from_learner(torch.zeros(3, 4), "identity", 4)
 
 
 def test_energy_zero_on_global_section():

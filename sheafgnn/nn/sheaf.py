@@ -40,6 +40,7 @@ from torch_geometric.utils import is_torch_sparse_tensor
 
 from sheafgnn.nn import cpu_kernels
 from sheafgnn.nn.gluing import reads_by_stalk_dim, restrict, transport_sum, weigh
+from sheafgnn.nn.restriction import maps_from_learner
 from sheafgnn.nn.segment import (
     index_from_ptr,
     ptr_from_index,
@@ -244,11 +245,6 @@ class SheafConv(MessagePassing):
                             if map_hidden_channels is not None else None)
         else:  # identity, or orthogonal with d == 1 (whose only map is the identity): nothing to learn
             self.map_lin = self.map_type_emb = self.map_out = None
-        if map_kind == "orthogonal" and d > 1:
-            iu = torch.triu_indices(d, d, offset=1)  # (2, P)
-            self.register_buffer("_triu", iu, persistent=False)
-        else:
-            self._triu = None
 
         self.weight_channel = nn.Parameter(torch.empty(self.channels, self.channels))  # W1
         self.weight_stalk = nn.Parameter(torch.empty(d, d)) if stalk_mixing else None  # W2
@@ -300,20 +296,7 @@ class SheafConv(MessagePassing):
         h = torch.cat([h_src, h_dst], dim=0)  # (2 * num_edges, H)
         if self.map_out is not None:
             h = self.map_out(torch.relu(h))  # (2 * num_edges, P)
-
-        if self.map_kind == "diag":
-            maps = torch.tanh(h) + self.map_offset  # (2 * num_edges, d)
-        elif self.map_kind == "general":
-            maps = torch.tanh(h).view(-1, d, d)  # (2 * num_edges, d, d)
-            if self.map_offset:
-                maps = maps + torch.eye(d, dtype=h.dtype, device=h.device)
-        else:  # Cayley transform of a skew matrix: exactly orthogonal
-            a = h.new_zeros(h.size(0), d, d)  # (2 * num_edges, d, d)
-            a[:, self._triu[0], self._triu[1]] = h
-            a = a - a.transpose(1, 2)
-            eye = torch.eye(d, dtype=h.dtype, device=h.device)
-            # solve_ex: no error check, so no host sync (I + A is invertible)
-            maps = torch.linalg.solve_ex(eye + a, eye - a)[0]  # (2 * num_edges, d, d)
+        maps = maps_from_learner(h, self.map_kind, d, self.map_offset)  # (2 * num_edges, d[, d])
         return maps[:num_edges], maps[num_edges:]
 
     def restriction_maps(self, x: Tensor, edge_index: Tensor, edge_type: OptTensor = None) -> tuple[Tensor, Tensor]:
