@@ -200,8 +200,9 @@ def sweep(out: Path, models: tuple[str, ...], jobs: int, budget: dict, sizes: di
 def swept_models(stages: list[str], models: tuple[str, ...]) -> tuple[str, ...]:
     """The models whose rates the stages train at (a finished sweep's runs are reused): every model's, but only
     the sheaf model's when the components stage runs alone, since it trains only the sheaf model."""
-    needed = models if set(stages) - {"components"} else ()
-    return needed if "components" not in stages or "sheaf" in needed else ("sheaf", *needed)
+    if set(stages) == {"components"}:
+        return ("sheaf",)
+    return models if "components" not in stages or "sheaf" in models else ("sheaf", *models)
 
 
 def stage_specs(stage: str, models: tuple[str, ...], best: dict[str, float], sizes: dict, seeds: tuple[int, ...],
