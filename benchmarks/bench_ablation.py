@@ -17,8 +17,8 @@ variants with one part changed, each at every seed of ``--seeds``, on the same t
     identity_maps           restriction maps fixed to the identity (gluing.map_kind identity)
     orthogonal_maps         orthogonal restriction maps in place of the default's (gluing.map_kind orthogonal)
     general_maps            general (dense stalk_dim x stalk_dim) restriction maps (gluing.map_kind general)
-    maps_from_identity      the learned maps starting at the identity (gluing.map_init identity: the learner's last
-                            layer at zero, F = I + tanh(h)), or at random if the default starts them at I
+    map_init                where the learned maps start, switched the other way (gluing.map_init: at the
+                            identity, the learner's last layer at zero and F = I + tanh(h); or at random)
     separate_patch_ssm      the patch chains with an SSM of their own (ssm.shared false)
     experts_per_type        one expert per node type (experts.shared false)
     headdim_8, headdim_16   the SSM's head dimension P (default 32): expand * d_model / P heads, each with its own

@@ -58,7 +58,7 @@ SEEDS = (0, 1, 2)
 STAGES = ("sweep", "sizes", "scattered", "induction", "components")
 # the parts switched on recall: the restriction maps of issue 35's table, and every part that text alone does not
 # justify (docs/results.md#ablation-of-the-default-what-each-part-pays-on-text)
-COMPONENTS = ("identity_maps", "orthogonal_maps", "general_maps", "maps_from_identity", "no_local", "no_workspace",
+COMPONENTS = ("identity_maps", "orthogonal_maps", "general_maps", "map_init", "no_local", "no_workspace",
               "no_content_proposals", "no_random_proposals", "qk_norm", "key_previous_init", "rezero_gate")
 BUDGET = {"steps": 3000, "batch_size": 32, "eval_every": 100, "stop_accuracy": 0.99, "test_examples": 64,
           "warmup_steps": 50, "d_model": 64, "n_layers": 2, "n_heads": 2}

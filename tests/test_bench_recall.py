@@ -93,9 +93,9 @@ def test_components_stage_runs_the_sheaf_model_with_each_variant_at_its_rate():
 def test_components_stage_runs_each_of_its_sizes():
     module = load_benchmark("bench_recall")
     sizes = {**module.SIZES, "components": (module.mqar_size("256x16"), module.mqar_size("512X32"))}
-    specs = module.stage_specs("components", ("sheaf",), {"sheaf": 3e-4}, sizes, (1,), ("maps_from_identity",))
-    assert [name for name, _ in specs] == ["mqar256_sheaf_maps_from_identity_lr0.0003_s1",
-                                           "mqar512_sheaf_maps_from_identity_lr0.0003_s1"]
+    specs = module.stage_specs("components", ("sheaf",), {"sheaf": 3e-4}, sizes, (1,), ("map_init",))
+    assert [name for name, _ in specs] == ["mqar256_sheaf_map_init_lr0.0003_s1",
+                                           "mqar512_sheaf_map_init_lr0.0003_s1"]
     assert "--mqar-test-lens" not in specs[1][1]  # only (256, 16) is tested at other lengths
     for bad in ("512", "512x", "512x300", "x32", "ax2"):
         with pytest.raises(argparse.ArgumentTypeError, match="LENxPAIRS|pairs"):

@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from sheafgnn.model import SheafStateConfig, SheafStateLM
+from sheafgnn.model import SheafStateLM
 from sheafgnn.nn import cpu_kernels
 from sheafgnn.nn.inference import RowBuffer
+from sheafgnn.nn.sheaf import MAP_INITS
 from sheafgnn.nn.topology import LearnedTopology
 from sheafgnn.site import build_site
 from sheafgnn.site.tokenizer import ByteTokenizer
@@ -17,9 +18,9 @@ from .conftest import CODE, PROSE, small_model_config
 def _model(full_config, seed: int = 0, **kwargs) -> SheafStateLM:
     torch.manual_seed(seed)
     model = SheafStateLM(small_model_config(full_config, **kwargs)).eval()
-    with torch.no_grad():  # the sinks, type biases and eps start at zero: make every term matter
-        for name, p in model.named_parameters():
-            if name.endswith(("sink", "type_bias", "eps")):
+    with torch.no_grad():  # the sinks, type biases, eps and (map_init identity) the map learner start at zero:
+        for name, p in model.named_parameters():  # make every term matter
+            if name.endswith(("sink", "type_bias", "eps")) or "map_lin" in name or "map_type_emb" in name:
                 p.normal_(0.0, 0.5)
     return model
 
@@ -115,19 +116,13 @@ def test_stream_equals_full_forward_in_float64(monkeypatch, full_config, map_kin
 
 @pytest.mark.parametrize("kernels", [pytest.param("1", marks=pytest.mark.needs("step_kernels"), id="kernels"),
                                      pytest.param("0", id="pytorch")])
-def test_stream_equals_full_forward_with_maps_from_identity(monkeypatch, full_config, kernels):
-    """Diag maps that start at the identity (gluing.map_init, F = I + tanh(h)), their learner moved away from its
-    zero start so that the offset and the learned part both count: the stream equals the full forward in float64,
-    with the glue_diag kernel and without it."""
+@pytest.mark.parametrize("map_init", MAP_INITS)
+def test_stream_equals_full_forward_from_either_map_start(monkeypatch, full_config, map_init, kernels):
+    """Diag maps from either start (gluing.map_init: I + tanh(h), or tanh(h)), their learner moved away from its
+    start so that the offset and the learned part both count: the stream equals the full forward in float64, with
+    the glue_diag kernel and without it."""
     monkeypatch.setenv("SHEAFGNN_CPU_KERNELS", kernels)
-    config = small_model_config(full_config, proposal_block=4, content_blocks=3).to_dict()
-    config["gluing"] = {**config["gluing"], "map_init": "identity"}
-    torch.manual_seed(0)
-    model = SheafStateLM(SheafStateConfig.from_dict(config)).eval().double()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "map_lin" in name or "map_type_emb" in name:
-                p.normal_(0.0, 0.5)
+    model = _model(full_config, proposal_block=4, content_blocks=3, gluing={"map_init": map_init}).double()
     ids = torch.tensor(list((PROSE + CODE).encode()))[:300]
     full = _full_logits(model, ids)
     for chunk in (1, 7):

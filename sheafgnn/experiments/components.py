@@ -25,7 +25,7 @@ def component_changes(default: SheafStateConfig | None = None) -> dict[str, dict
             "identity_maps": {"gluing": {"map_kind": "identity"}},
             "orthogonal_maps": {"gluing": {"map_kind": "orthogonal"}},
             "general_maps": {"gluing": {"map_kind": "general"}},
-            "maps_from_identity": {"gluing": {"map_init": "random" if gluing.map_init == "identity" else "identity"}},
+            "map_init": {"gluing": {"map_init": "random" if gluing.map_init == "identity" else "identity"}},
             "headdim_8": {"ssm": {"headdim": 8}},
             "headdim_16": {"ssm": {"headdim": 16}},
             "separate_patch_ssm": {"ssm": {"shared": not default.ssm.shared}},
