@@ -36,9 +36,14 @@ LATEST = "latest"
 # Bumped when the layout of state.pt or what its weights compute changes: 2 since the gluing into the tokens adds
 # what each output gathered, not the output state (SheafBlock.token_tail); 3 since the topology normalises its
 # queries and keys (TopologyConfig.qk_norm, on by default): read_state gives the sheaf model config of an earlier
-# format ``topology.qk_norm: false`` where it is silent, which is what its weights compute. A model that computes
-# otherwise with an earlier format's weights names the oldest format it reads as ``oldest_checkpoint_format``.
-FORMATS = (1, 2, 3)  # the formats read_state reads
+# format ``topology.qk_norm: false`` where it is silent, which is what its weights compute; 4 since the learned
+# restriction maps start at the identity (GluingConfig.map_init, default identity): an earlier format's silence
+# means ``gluing.map_init: random``. A model that computes otherwise with an earlier format's weights names the
+# oldest format it reads as ``oldest_checkpoint_format``.
+FORMATS = (1, 2, 3, 4)  # the formats read_state reads
+# Format -> (group, field, value): a sheaf model config of an earlier format that is silent on the field was
+# written when its default was the value (a flat config's ``gluing: bool`` gets it from FLAT_DEFAULTS instead)
+SILENT_BEFORE = {3: ("topology", "qk_norm", False), 4: ("gluing", "map_init", "random")}
 FORMAT = FORMATS[-1]  # the one save_checkpoint writes
 
 
@@ -146,9 +151,10 @@ def read_state(path: str | os.PathLike) -> dict:
                               f"expected one of {FORMATS})")
     config, model_config = state.get("config"), state.get("model_config")
     sheaf = not isinstance(config, dict) or config.get("model", "sheaf") == "sheaf"  # a train run's, or the model's
-    if state["format"] < 3 and sheaf and isinstance(model_config, dict):  # written before topology.qk_norm
-        topology = model_config.get("topology")
-        model_config["topology"] = {"qk_norm": False, **(topology if isinstance(topology, dict) else {})}
+    for fmt, (group, name, value) in SILENT_BEFORE.items():
+        part = model_config.get(group) if sheaf and isinstance(model_config, dict) else False
+        if state["format"] < fmt and (part is None or isinstance(part, dict)):
+            model_config[group] = {name: value, **(part or {})}
     return state
 
 

@@ -382,20 +382,23 @@ def test_a_checkpoint_whose_weights_compute_otherwise_is_refused(full_config, tm
         assert load_checkpoint(step, model)["format"] == 1
 
 
-def test_a_checkpoint_written_before_qk_norm_loads_without_it(full_config, tmp_path):
-    """A sheaf model config saved before format 3 predates topology.qk_norm: read_state says qk_norm false where it
-    is silent (the weights have no norms); from format 3 on, silence means the default."""
-    from sheafgnn.checkpoint import FORMAT, load_checkpoint, read_state, save_checkpoint
+@pytest.mark.parametrize("fmt", [3, 4])
+def test_a_checkpoint_of_an_earlier_format_keeps_the_defaults_of_its_time(full_config, tmp_path, fmt):
+    """A sheaf model config saved before format 3 predates topology.qk_norm (its weights have no norms), one saved
+    before format 4 predates the maps' start at the identity: read_state gives the field its value of that time
+    where the config is silent; from that format on, silence means today's default."""
+    from sheafgnn.checkpoint import FORMAT, SILENT_BEFORE, load_checkpoint, read_state, save_checkpoint
 
-    config = small_model_config(full_config, topology={"qk_norm": False})
+    group, name, value = SILENT_BEFORE[fmt]
+    config = small_model_config(full_config, **{group: {name: value}})
     saved = config.to_dict()
-    del saved["topology"]["qk_norm"]
+    del saved[group][name]
     step = save_checkpoint(tmp_path, 1, SheafStateLM(config), {"model_config": saved})
-    assert read_state(step)["model_config"]["topology"].get("qk_norm", True) and FORMAT == 3
-    torch.save({**torch.load(step / "state.pt", weights_only=True), "format": 2}, step / "state.pt")
+    assert name not in read_state(step)["model_config"][group] and FORMAT == 4
+    torch.save({**torch.load(step / "state.pt", weights_only=True), "format": fmt - 1}, step / "state.pt")
     state = read_state(step)
     model = SheafStateLM(SheafStateConfig.from_dict(state["model_config"]))
-    assert model.config == config
+    assert model.config == config and getattr(getattr(SheafStateConfig(), group), name) != value
     load_checkpoint(step, model)
 
 
@@ -408,6 +411,7 @@ def test_a_checkpoint_saved_with_flat_keys_loads():
     with pytest.warns(FutureWarning, match="topology_rank -> topology.rank"):
         model = load_learned_model(folder)
     assert model.config.topology.rank == 64 and model.config.gluing.mode == "outputs"
+    assert model.config.gluing.map_init == "random"  # FLAT_DEFAULTS: the flat layout predates the maps' start at I
     with torch.no_grad():
         assert torch.isfinite(model(build_site("The cat sat.", model.config.site_config))).all()
 
