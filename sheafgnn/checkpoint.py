@@ -151,10 +151,11 @@ def read_state(path: str | os.PathLike) -> dict:
                               f"expected one of {FORMATS})")
     config, model_config = state.get("config"), state.get("model_config")
     sheaf = not isinstance(config, dict) or config.get("model", "sheaf") == "sheaf"  # a train run's, or the model's
-    for fmt, (group, name, value) in SILENT_BEFORE.items():
-        part = model_config.get(group) if sheaf and isinstance(model_config, dict) else False
-        if state["format"] < fmt and (part is None or isinstance(part, dict)):
-            model_config[group] = {name: value, **(part or {})}
+    if sheaf and isinstance(model_config, dict):
+        for fmt, (group, name, value) in SILENT_BEFORE.items():
+            part = model_config.get(group)
+            if state["format"] < fmt and (part is None or isinstance(part, dict)):  # not a flat `gluing: bool`
+                model_config[group] = {name: value, **(part or {})}
     return state
 
 
