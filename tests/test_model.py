@@ -351,12 +351,12 @@ def test_flat_keys_of_earlier_versions_load_with_a_deprecation_warning():
     assert config == SheafStateConfig(d_model=32, topology={"rank": 64, "block_size": 4, "content_blocks": 2,
                                                             "block_summary": "mean"},
                                       ssm={"headdim": 16, "shared": False}, experts={"shared": False},
-                                      gluing={"map_kind": "general", "mode": "tokens", "projections": True},
-                                      site={"local_window": 8})
+                                      gluing={"map_kind": "general", "mode": "tokens", "projections": True,
+                                              "map_init": "random"}, site={"local_window": 8})
     with pytest.warns(FutureWarning, match="flat layout's defaults"):  # where a flat config is silent: its defaults
         legacy = SheafStateConfig.from_dict({"topology_rank": 16})
-    assert (legacy.gluing.mode, legacy.gluing.projections, legacy.ssm.shared, legacy.experts.shared) \
-        == ("outputs", True, False, False)
+    assert (legacy.gluing.mode, legacy.gluing.projections, legacy.gluing.map_init, legacy.ssm.shared,
+            legacy.experts.shared) == ("outputs", True, "random", False, False)
     assert (legacy.topology.content_blocks, legacy.topology.block_size, legacy.topology.block_summary) \
         == (2, 16, "mean")
     assert SheafStateConfig.from_dict({"topology": {"rank": 16}}).gluing.mode == SheafStateConfig().gluing.mode
