@@ -85,9 +85,9 @@ from sheafgnn.optim import make_optimizer
 from sheafgnn.site import SiteBuilder, SiteConfig, build_site
 from sheafgnn.train import train_step
 
-# The default sheaf model before its topology normalised its queries and keys (the default of 373e718). Step 5
-# measures both defaults in one run.
-PREVIOUS_DEFAULT = {"topology": {"qk_norm": False}}
+# The default sheaf model before its learned restriction maps started at the identity (the default of cd576a1).
+# Step 5 measures both defaults in one run.
+PREVIOUS_DEFAULT = {"gluing": {"map_init": "random"}}
 
 
 def best_of(fn, repeats: int) -> float:
