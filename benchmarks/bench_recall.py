@@ -15,7 +15,7 @@ batches of 32 rows, at most 3,000 steps, tested every 100 steps on 64 held-out r
     scattered  scattered_recall (256, 16), seeds 0-2: binds anywhere in the row, queries at random distances
     induction  induction heads trained at 256 tokens, tested at 256, 1k, 4k and 16k, seeds 0-2
     components the sheaf model with one part switched (``--variants``, default :data:`COMPONENTS`: the
-               restriction maps fixed to the identity, orthogonal or general, or learned from the identity, each
+               restriction maps fixed to the identity, orthogonal or general, or started the other way, each
                patch type of the task site, the proposals, QK-norm, the previous-token key's start, the gate),
                on MQAR (256, 16) (``--component-sizes``: others, e.g. ``256x16 512x32``), seeds 0-2;
                the default itself (diag maps) is the sizes stage's. The changes are bench_ablation's
