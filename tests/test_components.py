@@ -6,12 +6,14 @@ from sheafgnn.experiments.components import component_changes, without_patch_typ
 from sheafgnn.model import SheafStateConfig
 
 
-def test_a_two_way_part_is_switched_to_the_other_way():
+@pytest.mark.parametrize("name, part, field", [("qk_norm", "topology", "qk_norm"),
+                                               ("open_gate", "gluing", "gate_init")])
+def test_a_two_way_part_is_switched_to_the_other_way(name, part, field):
     default = SheafStateConfig()
-    changed = SheafStateConfig.from_dict({"topology": component_changes(default)["qk_norm"]["topology"]})
-    assert changed.topology.qk_norm != default.topology.qk_norm
-    switched_back = component_changes(changed)["qk_norm"]["topology"]["qk_norm"]
-    assert switched_back == default.topology.qk_norm
+    changed = SheafStateConfig.from_dict({part: component_changes(default)[name][part]})
+    assert getattr(getattr(changed, part), field) != getattr(getattr(default, part), field)
+    switched_back = component_changes(changed)[name][part][field]
+    assert switched_back == getattr(getattr(default, part), field)
 
 
 def test_every_change_is_a_valid_config():
