@@ -97,8 +97,10 @@ class GluingConfig(ConfigFile):
     # they gathered reaches the tokens through the broadcast times a per-channel gate g; R reads the tokens.
     # "outputs": the outputs keep their states across blocks, R reads them. "off": the ssm ablation (no patches).
     mode: str = "tokens"
-    # "tokens": g = gate_scale * a parameter, from gate_init (docs/results.md#the-gate-that-learns-faster-the-default)
-    gate_init: float = 0.1
+    # "tokens": g = gate_scale * a parameter, from gate_init (docs/results.md#the-gate-that-learns-faster-the-default).
+    # 1 since a kept answer (pool weight ~0.05) through a gate of 0.1 did not reach the readout and the scattered
+    # layout's seed 1 failed; from 1 it passes in 3 of 3 seeds (docs/results.md#the-gate-from-1-the-default)
+    gate_init: float = 1.0
     gate_scale: float = 10.0
     stalk_dim: int = 4  # d, the stalk dimension of the sheaf (d_model = d * channels)
     map_kind: str = "diag"  # restriction maps: diag | orthogonal | general | identity (SheafConv)
