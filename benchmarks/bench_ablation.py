@@ -34,8 +34,8 @@ variants with one part changed, each at every seed of ``--seeds``, on the same t
                             a copy of the query's weights, or its own draw)
     rezero_gate             the broadcast gate starting at 0 and learning at the weights' rate (gluing.gate_init 0,
                             gate_scale 1: ReZero); if the default is that, at 0.1 and 10 times the rate
-    open_gate               the broadcast gate starting at 1 (gluing.gate_init; if the default starts it at 1 or
-                            more, at 0.1)
+    gate_init               the broadcast gate starting the other way (gluing.gate_init): at 0.1 if the default
+                            starts it at 1 or more, else at 1 (`open_gate` while the default started it at 0.1)
 
 and reports per variant the mean validation bits per byte over the seeds, its change against the full model's
 mean (positive: the part pays), the seed spread of the full model (the noise a change is measured against),

@@ -7,7 +7,7 @@ from sheafgnn.model import SheafStateConfig
 
 
 @pytest.mark.parametrize("name, part, field", [("qk_norm", "topology", "qk_norm"),
-                                               ("open_gate", "gluing", "gate_init")])
+                                               ("gate_init", "gluing", "gate_init")])
 def test_a_two_way_part_is_switched_to_the_other_way(name, part, field):
     default = SheafStateConfig()
     changed = SheafStateConfig.from_dict({part: component_changes(default)[name][part]})

@@ -38,9 +38,10 @@ def component_changes(default: SheafStateConfig | None = None) -> dict[str, dict
                                                == "query" else "query"}},
             "rezero_gate": {"gluing": {"gate_init": 0.0, "gate_scale": 1.0} if gluing.gate_init
                             else {"gate_init": 0.1, "gate_scale": 10.0}},
-            # the broadcast gate's start, 0.1 <-> 1: open from step 0, the gathered answer reaches the readout
-            # at full strength (the scattered layout's seed 1 passes only so; docs/results.md)
-            "open_gate": {"gluing": {"gate_init": 0.1 if gluing.gate_init >= 1.0 else 1.0}}}
+            # the broadcast gate's start the other way, 1 <-> 0.1 (`open_gate` while the default started it at
+            # 0.1): from 1 the gathered answer reaches the readout at full strength from step 0, and the scattered
+            # layout's seed 1 passes only so (docs/results.md#the-gate-from-1-the-default)
+            "gate_init": {"gluing": {"gate_init": 0.1 if gluing.gate_init >= 1.0 else 1.0}}}
 
 
 def without_patch_type(patch_types: list[str], patch_type: str) -> dict:
