@@ -36,6 +36,8 @@ variants with one part changed, each at every seed of ``--seeds``, on the same t
                             gate_scale 1: ReZero); if the default is that, at 0.1 and 10 times the rate
     gate_init               the broadcast gate starting the other way (gluing.gate_init): at 0.1 if the default
                             starts it at 1 or more, else at 1 (`open_gate` while the default started it at 0.1)
+    a+b+...                 the sheaf variants a, b, ... switched at once (only when named in ``--variants``):
+                            whether changes that pay alone also pay together
 
 and reports per variant the mean validation bits per byte over the seeds, its change against the full model's
 mean (positive: the part pays), the seed spread of the full model (the noise a change is measured against),
@@ -104,6 +106,33 @@ def variants(d_model: int, patch_types: list[str]) -> dict[str, dict]:
     for name, change in component_changes(default).items():
         out[name] = {"model": "sheaf", "model_config": {**model, **change}, "site": {}}
     return out
+
+
+def combined(specs: dict[str, dict], name: str) -> dict:
+    """The variant ``a+b+...``: every one of the sheaf variants ``a``, ``b``, ... switched at once (their
+    model_config changes merged, the patch types that all of them keep), to see whether changes that each pay
+    alone also pay together before one becomes the default."""
+    parts = name.split("+")
+    unknown = [part for part in parts if part not in specs or specs[part]["model"] != "sheaf" or part == "full"]
+    if unknown:
+        raise SystemExit(f"{name}: {unknown} are not sheaf variants to combine; choose from "
+                         f"{sorted(n for n, spec in specs.items() if spec['model'] == 'sheaf' and n != 'full')}")
+    model_config, patch_types = {}, list(SheafStateConfig().site.patch_types)
+    for part in parts:
+        _merge(model_config, specs[part]["model_config"])
+        kept = specs[part]["site"].get("patch_types", patch_types)
+        patch_types = [t for t in patch_types if t in kept]
+    site = {} if patch_types == list(SheafStateConfig().site.patch_types) else {"patch_types": patch_types}
+    return {"model": "sheaf", "model_config": model_config, "site": site}
+
+
+def _merge(into: dict, change: dict) -> None:
+    """``change`` written into ``into``, nested mappings merged key by key."""
+    for key, value in change.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
 
 
 def site_cost(site: dict, n: int = 8192) -> dict:
@@ -199,7 +228,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="seeds of every variant")
-    parser.add_argument("--variants", nargs="+", default=None, help="a subset (default: all; full always runs)")
+    parser.add_argument("--variants", nargs="+", default=None, help="a subset (default: all; full always runs); "
+                        "a+b names the variants a and b switched at once")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="benchmarks/results")
@@ -207,6 +237,7 @@ def main() -> None:
     args = parser.parse_args()
     active = active_patch_types()
     specs = variants(args.d_model, active)
+    specs |= {name: combined(specs, name) for name in args.variants or () if "+" in name}
     if args.variants:
         unknown = sorted(set(args.variants) - set(specs))
         if unknown:

@@ -68,3 +68,15 @@ def test_variants_switch_the_parts_as_the_recall_components_do(bench):
     for name, change in component_changes().items():
         assert specs[name]["model_config"] == {"d_model": 64, "n_layers": 2, **change}
     assert "local" not in specs["no_local"]["site"]["patch_types"]
+
+
+def test_a_combined_variant_switches_every_part_it_names(bench):
+    specs = bench.variants(64, ["local", "memory"])
+    spec = bench.combined(specs, "no_local+no_memory+no_random_proposals+qk_norm")
+    assert spec["model_config"] == {"d_model": 64, "n_layers": 2, **specs["no_random_proposals"]["model_config"],
+                                    "topology": {**specs["no_random_proposals"]["model_config"]["topology"],
+                                                 **specs["qk_norm"]["model_config"]["topology"]}}
+    assert not {"local", "memory"} & set(spec["site"]["patch_types"])
+    assert set(specs["no_local"]["site"]["patch_types"]) - set(spec["site"]["patch_types"]) == {"memory"}
+    with pytest.raises(SystemExit, match="ssm"):
+        bench.combined(specs, "no_local+ssm")
