@@ -117,12 +117,13 @@ def combined(specs: dict[str, dict], name: str) -> dict:
     if unknown:
         raise SystemExit(f"{name}: {unknown} are not sheaf variants to combine; choose from "
                          f"{sorted(n for n, spec in specs.items() if spec['model'] == 'sheaf' and n != 'full')}")
-    model_config, patch_types = {}, list(SheafStateConfig().site.patch_types)
+    default_types = list(SheafStateConfig().site.patch_types)
+    model_config, patch_types = {}, default_types
     for part in parts:
         _merge(model_config, specs[part]["model_config"])
         kept = specs[part]["site"].get("patch_types", patch_types)
-        patch_types = [t for t in patch_types if t in kept]
-    site = {} if patch_types == list(SheafStateConfig().site.patch_types) else {"patch_types": patch_types}
+        patch_types = [t for t in patch_types if t in kept]  # a new list: default_types stays as it is
+    site = {} if patch_types == default_types else {"patch_types": patch_types}
     return {"model": "sheaf", "model_config": model_config, "site": site}
 
 
