@@ -12,7 +12,7 @@ variants with one part changed, each at every seed of ``--seeds``, on the same t
     no_<type>               a patch type of the default site (its nodes and every edge touching them); types
                             with no nodes in the default sites (topic: no topic model) are listed, not run
     no_content_proposals    the content-addressed proposals (topology.content_blocks 0)
-    no_random_proposals     the random proposals (topology.random_proposals 0)
+    random_proposals        the random proposals switched the other way (topology.random_proposals: 4 or 0)
     qk_norm                 the RMSNorms of the topology's queries and keys switched the other way (topology.qk_norm)
     identity_maps           restriction maps fixed to the identity (gluing.map_kind identity)
     orthogonal_maps         orthogonal restriction maps in place of the default's (gluing.map_kind orthogonal)

@@ -65,6 +65,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from unittest import mock
 
@@ -82,12 +83,12 @@ from sheafgnn.nn.proposals import content_blocks
 from sheafgnn.nn.segment import HAS_TORCH_SCATTER, segment_sum, sort_by_destination, use_backend
 from sheafgnn.nn.sheaf import SheafConv
 from sheafgnn.optim import make_optimizer
-from sheafgnn.site import SiteBuilder, SiteConfig, build_site
+from sheafgnn.site import ALL_TEXT_PATCH_TYPES, SiteBuilder, SiteConfig, build_site
 from sheafgnn.train import train_step
 
-# The default sheaf model before its broadcast gate started at 1 (the default of dafc537).
-# Step 5 measures both defaults in one run.
-PREVIOUS_DEFAULT = {"gluing": {"gate_init": 0.1}}
+# The default sheaf model before the lean default (the default of acfb4d5: every patch type of text, 4 random
+# proposals). Step 5 measures both defaults in one run.
+PREVIOUS_DEFAULT = {"topology": {"random_proposals": 4}, "site": {"patch_types": list(ALL_TEXT_PATCH_TYPES)}}
 
 
 def best_of(fn, repeats: int) -> float:
@@ -167,9 +168,11 @@ def matched() -> tuple[dict, dict]:
 
 
 def sized_model(kind: str, extra: dict | None = None) -> tuple[torch.nn.Module, SiteConfig]:
-    """A freshly seeded sheaf or dense model at the compare's size (``extra``: further options), in training
-    mode, and its site config."""
-    model, site = compare_model(COMPARE, kind, {**matched()[0][kind], **(extra or {})})
+    """A freshly seeded sheaf or dense model at the compare's size (``extra``: further options, its ``site`` the
+    SiteConfig fields of the sheaf model's sites), in training mode, and its site config."""
+    extra = dict(extra or {})
+    config = replace(COMPARE, site=extra.pop("site")) if "site" in extra else COMPARE
+    model, site = compare_model(config, kind, {**matched()[0][kind], **extra})
     return model.train(), site
 
 

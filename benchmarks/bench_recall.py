@@ -58,8 +58,8 @@ SEEDS = (0, 1, 2)
 STAGES = ("sweep", "sizes", "scattered", "induction", "components")
 # the parts switched on recall: the restriction maps of issue 35's table, and every part that text alone does not
 # justify (docs/results.md#ablation-of-the-default-what-each-part-pays-on-text)
-COMPONENTS = ("identity_maps", "orthogonal_maps", "general_maps", "map_init", "no_local", "no_workspace",
-              "no_content_proposals", "no_random_proposals", "qk_norm", "key_previous_init", "rezero_gate")
+COMPONENTS = ("identity_maps", "orthogonal_maps", "general_maps", "map_init", "no_workspace", "no_content_proposals",
+              "random_proposals", "qk_norm", "key_previous_init", "rezero_gate", "gate_init")
 BUDGET = {"steps": 3000, "batch_size": 32, "eval_every": 100, "stop_accuracy": 0.99, "test_examples": 64,
           "warmup_steps": 50, "d_model": 64, "n_layers": 2, "n_heads": 2}
 QUICK = {"steps": 4, "batch_size": 4, "eval_every": 2, "stop_accuracy": 0.99, "test_examples": 4, "warmup_steps": 1,
@@ -232,7 +232,9 @@ def summary_rows(out: Path) -> list[dict]:
     for report in sorted((out / "runs").glob("*/tasks.json")):
         data = json.loads(report.read_text())
         for row in data["summary"]:
-            rows.append({k: row.get(k) for k in SUMMARY} | {"variant": variant_of(data["config"]),
+            # a baseline reads no site nor sheaf options: its runs are of no variant, whichever site they were given
+            variant = variant_of(data["config"]) if row.get("model") == "sheaf" else "-"
+            rows.append({k: row.get(k) for k in SUMMARY} | {"variant": variant,
                                                             "map_kind": row.get("map_kind") or "-",
                                                             "run": report.parent.name})
     return rows

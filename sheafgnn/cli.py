@@ -25,6 +25,7 @@ import importlib
 import json
 import sys
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import TextIO
 
@@ -144,9 +145,11 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _build(args: argparse.Namespace) -> int:
-    from sheafgnn.site import SiteConfig, build_site, validate_site
+    from sheafgnn.site import ALL_TEXT_PATCH_TYPES, SiteConfig, build_site, validate_site
 
     config = SiteConfig.load(args.config) if args.config else SiteConfig()
+    if args.all_types:
+        config = replace(config, patch_types=ALL_TEXT_PATCH_TYPES)
     text = Path(args.file).read_bytes()
     if not text:
         raise ValueError(f"{args.file} is empty: there is no text to build a site of")
@@ -302,6 +305,8 @@ def _parser() -> ArgumentParser:
     build.add_argument("--out", help="save the site (a PyG HeteroData) here with torch.save")
     build.add_argument("--stats", action="store_true", help="print per-type node and edge counts, per token")
     build.add_argument("--config", help="a SiteConfig as YAML, TOML or JSON (default: SiteConfig())")
+    build.add_argument("--all-types", action="store_true",
+                       help="every patch type of text (ALL_TEXT_PATCH_TYPES), not only the default model's")
     build.set_defaults(func=_build)
     inspect = sub.add_parser("inspect", help="statistics, exports and plots of a model's topology on a text")
     inspect.add_argument("model", help="a training out_dir, a checkpoint step folder, or a SheafStateConfig file")

@@ -25,7 +25,8 @@ FLAT_KEYS = {
 # Defaults of the flat layout that the nested one changed: they fill a flat (earlier) config where it is silent.
 FLAT_DEFAULTS = {"gluing": {"mode": "outputs", "projections": True, "map_init": "random"}, "ssm": {"shared": False},
                  "experts": {"shared": False}, "topology": {"content_blocks": 2, "block_size": 16,
-                                                            "block_summary": "mean"}}
+                                                            "block_summary": "mean",
+                                                            "random_proposals": 4}}
 
 
 def nest_flat_keys(values: dict) -> tuple[dict, list[str]]:

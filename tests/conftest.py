@@ -112,9 +112,11 @@ def full_config(tmp_path_factory, topic_model) -> SiteConfig:
 
 
 def small_model_config(full_config: SiteConfig, **kwargs) -> SheafStateConfig:
-    """A tiny SheafStateConfig on the every-type site config; ``kwargs`` override, by their field names
-    (``map_kind=...`` sets ``gluing.map_kind``: :data:`~sheafgnn.flat_keys.FLAT_KEYS`, a shorthand for tests)."""
-    values = dict(d_model=32, n_layers=2, ssm={"headdim": 16, "chunk_size": 16}, site=full_config.to_dict())
+    """A tiny SheafStateConfig on the every-type site config, with every proposal (the random ones too, which the
+    default does without); ``kwargs`` override, by their field names (``map_kind=...`` sets ``gluing.map_kind``:
+    :data:`~sheafgnn.flat_keys.FLAT_KEYS`, a shorthand for tests)."""
+    values = dict(d_model=32, n_layers=2, ssm={"headdim": 16, "chunk_size": 16}, topology={"random_proposals": 4},
+                  site=full_config.to_dict())
     nested, _ = nest_flat_keys(kwargs)
     for key, value in nested.items():
         values[key] = {**values.get(key, {}), **value} if isinstance(value, dict) and key != "site" else value

@@ -28,13 +28,13 @@ def test_report_of_kept_rows_pairs_a_partial_variant_with_its_seeds(bench, tmp_p
     keep(tmp_path, "full", 0, 2.30)
     keep(tmp_path, "full", 1, 2.34)
     keep(tmp_path, "ssm", 0, 2.35)  # seed 1 not run yet
-    monkeypatch.setattr(bench, "active_patch_types", lambda: ["local"])
-    monkeypatch.setattr(sys, "argv", ["bench_ablation.py", "--report", "--variants", "ssm", "no_local",
+    monkeypatch.setattr(bench, "active_patch_types", lambda: ["workspace"])
+    monkeypatch.setattr(sys, "argv", ["bench_ablation.py", "--report", "--variants", "ssm", "no_workspace",
                                       "--seeds", "0", "1", "--jobs", "1", "--out", str(tmp_path)])
     bench.main()
     report = json.loads((tmp_path / "ablation.json").read_text())
     rows = {r["variant"]: r for r in report["variants"]}
-    assert set(rows) == {"full", "ssm"}  # no_local has no kept row
+    assert set(rows) == {"full", "ssm"}  # no_workspace has no kept row
     assert rows["ssm"]["seeds"] == [0] and rows["ssm"]["change_bpb"] == pytest.approx(0.05)  # against seed 0's 2.30
     assert rows["ssm"]["change_per_seed"] == [pytest.approx(0.05)]
     assert report["seed_spread"] == pytest.approx(0.04)
@@ -64,19 +64,20 @@ def test_report_leaves_out_the_seeds_the_full_model_lacks(bench, tmp_path, monke
 def test_variants_switch_the_parts_as_the_recall_components_do(bench):
     from sheafgnn.experiments.components import component_changes
 
-    specs = bench.variants(64, ["local"])
+    specs = bench.variants(64, ["workspace"])
     for name, change in component_changes().items():
         assert specs[name]["model_config"] == {"d_model": 64, "n_layers": 2, **change}
-    assert "local" not in specs["no_local"]["site"]["patch_types"]
+    assert "workspace" not in specs["no_workspace"]["site"]["patch_types"]
 
 
 def test_a_combined_variant_switches_every_part_it_names(bench):
-    specs = bench.variants(64, ["local", "memory"])
-    spec = bench.combined(specs, "no_local+no_memory+no_random_proposals+qk_norm")
-    assert spec["model_config"] == {"d_model": 64, "n_layers": 2, **specs["no_random_proposals"]["model_config"],
-                                    "topology": {**specs["no_random_proposals"]["model_config"]["topology"],
+    from sheafgnn.model import SheafStateConfig
+
+    specs = bench.variants(64, ["workspace"])
+    spec = bench.combined(specs, "no_workspace+random_proposals+qk_norm")
+    assert spec["model_config"] == {"d_model": 64, "n_layers": 2, **specs["random_proposals"]["model_config"],
+                                    "topology": {**specs["random_proposals"]["model_config"]["topology"],
                                                  **specs["qk_norm"]["model_config"]["topology"]}}
-    assert not {"local", "memory"} & set(spec["site"]["patch_types"])
-    assert set(specs["no_local"]["site"]["patch_types"]) - set(spec["site"]["patch_types"]) == {"memory"}
+    assert set(SheafStateConfig().site.patch_types) - set(spec["site"]["patch_types"]) == {"workspace"}
     with pytest.raises(SystemExit, match="ssm"):
-        bench.combined(specs, "no_local+ssm")
+        bench.combined(specs, "no_workspace+ssm")

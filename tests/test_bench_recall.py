@@ -81,7 +81,7 @@ def test_each_variant_is_read_back_from_the_options_its_run_trained_with():
     assert set(module.COMPONENTS) < set(options)
     for name, known in options.items():
         assert module.variant_of({**known, "lr": 1e-3}) == (name or "-")
-    assert options["no_workspace"]["site"] == {**module.TASK_SITE, "patch_types": ["local", "output"]}
+    assert options["no_workspace"]["site"] == {**module.TASK_SITE, "patch_types": ["output"]}
     assert options["identity_maps"]["sheaf"] == {"gluing": {"map_kind": "identity"}}
     unknown = {"sheaf": {"topology": {"k": 4}}, "site": module.TASK_SITE}
     assert module.variant_of(unknown) == json.dumps(unknown)  # options of no variant are named by themselves
@@ -90,8 +90,9 @@ def test_each_variant_is_read_back_from_the_options_its_run_trained_with():
 def test_components_stage_runs_the_sheaf_model_with_each_variant_at_its_rate():
     module = load_benchmark("bench_recall")
     specs = module.stage_specs("components", ("dense_conv",), {"sheaf": 3e-4}, module.SIZES, (0, 2),
-                               ("no_local", "qk_norm"))
-    assert [name for name, _ in specs] == ["mqar256_sheaf_no_local_lr0.0003_s0", "mqar256_sheaf_no_local_lr0.0003_s2",
+                               ("no_workspace", "qk_norm"))
+    assert [name for name, _ in specs] == ["mqar256_sheaf_no_workspace_lr0.0003_s0",
+                                           "mqar256_sheaf_no_workspace_lr0.0003_s2",
                                            "mqar256_sheaf_qk_norm_lr0.0003_s0", "mqar256_sheaf_qk_norm_lr0.0003_s2"]
     flags = dict(specs[2][1][i:i + 2] for i in range(len(specs[2][1]) - 1) if specs[2][1][i].startswith("--"))
     assert flags["--models"] == "sheaf" and flags["--lr"] == "0.0003" and flags["--mqar-seq-len"] == "256"
@@ -122,11 +123,12 @@ def test_the_components_stage_alone_sweeps_only_the_sheaf_model():
 def test_summary_rows_name_the_variant_of_each_run(tmp_path):
     module = load_benchmark("bench_recall")
     options = module.variant_options()
-    for name, variant in (("mqar256_sheaf_lr0.0003_s0", ""), ("mqar256_sheaf_no_local_lr0.0003_s0", "no_local")):
+    for name, variant in (("mqar256_sheaf_lr0.0003_s0", ""),
+                          ("mqar256_sheaf_no_workspace_lr0.0003_s0", "no_workspace")):
         report = tmp_path / "runs" / name / "tasks.json"
         report.parent.mkdir(parents=True)
         row = {"task": "mqar", "seq_len": 256, "model": "sheaf", "map_kind": "diag", "accuracy": 0.5}
         report.write_text(json.dumps({"config": options[variant], "summary": [row]}))
     rows = {r["run"]: r for r in module.summary_rows(tmp_path)}
     assert rows["mqar256_sheaf_lr0.0003_s0"]["variant"] == "-"
-    assert rows["mqar256_sheaf_no_local_lr0.0003_s0"]["variant"] == "no_local"
+    assert rows["mqar256_sheaf_no_workspace_lr0.0003_s0"]["variant"] == "no_workspace"

@@ -13,7 +13,7 @@ from sheafgnn.baselines import count_parameters
 from sheafgnn.cli import load_model, main
 from sheafgnn.lm import build_model
 from sheafgnn.model import SheafStateLM
-from sheafgnn.site import SiteConfig, build_site, validate_site
+from sheafgnn.site import ALL_TEXT_PATCH_TYPES, SiteConfig, build_site, validate_site
 from sheafgnn.train import TrainConfig
 
 from .conftest import CODE, PROSE
@@ -45,10 +45,10 @@ def run(argv: list[str], capsys) -> tuple[int, str, str]:
 def test_build_saves_the_validated_site_and_prints_statistics(tmp_path, capsys, name, text):
     path = tmp_path / name
     path.write_text(text)
-    status, out, _ = run(["build", str(path), "--out", str(tmp_path / "graph.pt"), "--stats"], capsys)
+    status, out, _ = run(["build", str(path), "--out", str(tmp_path / "graph.pt"), "--stats", "--all-types"], capsys)
     assert status == 0
     saved = validate_site(torch.load(tmp_path / "graph.pt", weights_only=False))
-    expected = build_site(text)
+    expected = build_site(text, SiteConfig(patch_types=ALL_TEXT_PATCH_TYPES))
     assert saved.node_types == expected.node_types and saved.edge_types == expected.edge_types
     for node_type in expected.node_types:
         assert saved[node_type].num_nodes == expected[node_type].num_nodes, node_type

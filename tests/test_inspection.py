@@ -9,7 +9,7 @@ import torch
 
 from sheafgnn.experiments import inspection as I
 from sheafgnn.relations import relation_stats, site_graph
-from sheafgnn.site import CANDIDATE_EDGES, NODE_TYPES, ByteTokenizer, SiteConfig, build_site
+from sheafgnn.site import ALL_TEXT_PATCH_TYPES, CANDIDATE_EDGES, NODE_TYPES, ByteTokenizer, SiteConfig, build_site
 from sheafgnn.site.schema import CONTENT_EDGE, GLUE_EDGES
 
 from .conftest import PROSE
@@ -19,7 +19,7 @@ RECURS = ("memory", "recurs", "memory")
 
 @pytest.fixture(scope="module")
 def site():
-    return build_site(PROSE, SiteConfig(local_window=8))
+    return build_site(PROSE, SiteConfig(patch_types=ALL_TEXT_PATCH_TYPES, local_window=8))
 
 
 def _hand_topology(data) -> I.Topology:

@@ -300,7 +300,7 @@ def test_bad_input(full_config):
         small(big)
     with pytest.raises(ValueError, match="no targets"):
         model.loss(build_site(PROSE))
-    leaky = build_site(PROSE)
+    leaky = build_site(PROSE, full_config)
     leaky["local", "next", "local"].edge_index = leaky["local", "next", "local"].edge_index.flip(0)
     with pytest.raises(ValueError, match=r"not a valid causal site: .*'local', 'next', 'local'\) is not causal"):
         model(leaky)
@@ -349,7 +349,7 @@ def test_flat_keys_of_earlier_versions_load_with_a_deprecation_warning():
     with pytest.warns(FutureWarning, match="topology_rank -> topology.rank.*proposal_block -> topology.block_size"):
         config = SheafStateConfig.from_dict(flat)
     assert config == SheafStateConfig(d_model=32, topology={"rank": 64, "block_size": 4, "content_blocks": 2,
-                                                            "block_summary": "mean"},
+                                                            "block_summary": "mean", "random_proposals": 4},
                                       ssm={"headdim": 16, "shared": False}, experts={"shared": False},
                                       gluing={"map_kind": "general", "mode": "tokens", "projections": True,
                                               "map_init": "random"}, site={"local_window": 8})

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from torch_geometric.loader import DataLoader
 
 from sheafgnn.site import (
+    ALL_TEXT_PATCH_TYPES,
     EDGE_TYPES,
     NODE_TYPES,
     PATCH_TYPES,
@@ -106,7 +107,7 @@ def test_schema_and_every_type_used(text, full_config):
 
 def test_hand_checked_spans():
     text = "Hi there. (a [b] c) \"q\" x\n"
-    data = build_site(text, SiteConfig(local_window=4))
+    data = build_site(text, SiteConfig(patch_types=ALL_TEXT_PATCH_TYPES, local_window=4))
     ids = data["token"].x
 
     def spans(p):
@@ -269,7 +270,8 @@ def test_bpe_tokenizer_round_trip(tmp_path):
     ids = loaded.encode(PROSE)
     assert loaded.decode(ids) == PROSE
     assert ids.numel() < len(PROSE.encode())
-    data = validate_site(build_site(ids, SiteConfig(local_window=4), tokenizer=loaded))
+    config = SiteConfig(patch_types=ALL_TEXT_PATCH_TYPES, local_window=4)
+    data = validate_site(build_site(ids, config, tokenizer=loaded))
     # byte spans map onto token spans: the first sentence ends where its bytes end
     first = data["sentence"].span[0]
     assert loaded.decode(ids[first[0] : first[1]]).startswith("### Instruction")

@@ -44,10 +44,11 @@ def test_task_tokenizer_sites_for_any_vocabulary():
     assert torch.equal(batch["token"].y, y.flatten())
     for node_type in ("sentence", "syntax", "instruction", "topic", "memory"):
         assert batch[node_type].num_nodes == 0, node_type
-    assert batch["local"].num_nodes == 2 * (64 // site.local_window) and batch["retrieval"].num_nodes > 0
+    registers = 2 * (64 // site.local_window) * site.workspace_registers
+    assert batch["workspace"].num_nodes == registers and batch["retrieval"].num_nodes > 0
     validate_site(batch)
     no_hash = to_sites(x, y, SiteConfig.from_dict(TASK_SITE), TaskTokenizer(1000))  # the default: rule off
-    assert no_hash["retrieval"].num_nodes == 0 and no_hash["local"].num_nodes == batch["local"].num_nodes
+    assert no_hash["retrieval"].num_nodes == 0 and no_hash["workspace"].num_nodes == registers
     with pytest.raises(ValueError, match=r"lie in \[0, 1000\)"):
         build_site(torch.tensor([1000]), site, tokenizer=TaskTokenizer(1000))
 

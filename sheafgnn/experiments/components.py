@@ -14,13 +14,13 @@ from sheafgnn.model import SheafStateConfig
 def component_changes(default: SheafStateConfig | None = None) -> dict[str, dict]:
     """Name -> the partial ``SheafStateConfig`` (nested dicts) that switches one part of ``default`` the other way.
 
-    A part that is a choice between two (QK-norm, the key's start, the gate) is switched to the other choice,
-    so the change stays an ablation of the default whichever way the default goes.
+    A part that is a choice between two (QK-norm, the key's start, the gate, 4 random proposals or none) is
+    switched to the other choice, so the change stays an ablation of the default whichever way the default goes.
     """
     default = default or SheafStateConfig()
     topology, gluing = default.topology, default.gluing
     return {"no_content_proposals": {"topology": {"content_blocks": 0}},
-            "no_random_proposals": {"topology": {"random_proposals": 0}},
+            "random_proposals": {"topology": {"random_proposals": 0 if topology.random_proposals else 4}},
             "qk_norm": {"topology": {"qk_norm": not topology.qk_norm}},
             "identity_maps": {"gluing": {"map_kind": "identity"}},
             "orthogonal_maps": {"gluing": {"map_kind": "orthogonal"}},

@@ -34,8 +34,8 @@ task ids are not text, so:
   ``topic``, and ``memory``, whose entities are words of bytes) are switched
   off: on synthetic ids they would find sentences and brackets that are not
   there (vocab <= 256, where ids pass for bytes) or wrap ids modulo 256
-  (vocab > 256). What stays on: ``local``, ``retrieval``, ``workspace`` and
-  ``output``;
+  (vocab > 256). The default site's other types stay on (:data:`TASK_SITE`:
+  ``workspace`` and ``output``; ``local`` and ``retrieval`` on request);
 - :class:`TaskTokenizer` maps every id to one neutral byte (``x``, which no
   byte rule reacts to), so the builder's byte stage is defined for any
   vocabulary and finds nothing;
@@ -88,7 +88,9 @@ from sheafgnn.train import resolve_device, train_step
 
 TASKS = ("mqar", "scattered_recall", "selective_copying", "induction_heads")
 RECALL_TASKS = ("mqar", "scattered_recall")  # scored per pair; their test lengths keep the training pair density
-TASK_SITE = {"patch_types": ["local", "workspace", "output"], "retrieval_key_len": 1}
+# The byte-rule patch types, off on task ids (module docstring); the sheaf model's site is the default's without them.
+BYTE_RULE_TYPES = ("sentence", "syntax", "instruction", "topic", "memory")
+TASK_SITE = {"patch_types": [t for t in SiteConfig().patch_types if t not in BYTE_RULE_TYPES], "retrieval_key_len": 1}
 NEUTRAL_BYTE = ord("x")  # what every task id stands for in the builder's byte rules
 ZOOLOGY = {"mqar_seq_len": 512, "mqar_pairs": 64, "mqar_vocab": 8192}
 

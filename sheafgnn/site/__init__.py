@@ -2,6 +2,7 @@
 
 from sheafgnn.site.builder import SiteBuilder, build_site, validate_site
 from sheafgnn.site.schema import (
+    ALL_TEXT_PATCH_TYPES,
     CANDIDATE_EDGES,
     DEFAULT_PATCH_TYPES,
     EDGE_TYPES,
@@ -15,6 +16,7 @@ from sheafgnn.site.tokenizer import BPETokenizer, ByteTokenizer
 from sheafgnn.site.topic import TopicModel
 
 __all__ = [
+    "ALL_TEXT_PATCH_TYPES",
     "BPETokenizer",
     "ByteTokenizer",
     "CANDIDATE_EDGES",

@@ -33,8 +33,13 @@ PATCH_TYPES: tuple[str, ...] = tuple(RULES)
 PatchType = enum.StrEnum("PatchType", [(p.upper(), p) for p in PATCH_TYPES])
 PatchType.__doc__ = "The patch types of the Sheaf-State LM site."
 NODE_TYPES: tuple[str, ...] = ("token",) + PATCH_TYPES
-# The patch types a SiteConfig switches on unless told (all but retrieval: see patches/retrieval.py).
+# The patch types a SiteConfig switches on unless told: those of the default model (each rule's on_by_default says
+# why it is off).
 DEFAULT_PATCH_TYPES: tuple[str, ...] = tuple(p for p, rule in RULES.items() if rule.on_by_default)
+# Every patch type that text makes without being asked for by name: the whole typed site (all but retrieval,
+# whose job the content proposals do). The default model reads fewer (DEFAULT_PATCH_TYPES: the others did not pay
+# on text); `sheafgnn build --all-types` and the rule tests build these.
+ALL_TEXT_PATCH_TYPES: tuple[str, ...] = tuple(p for p in PATCH_TYPES if p != "retrieval")
 # The patch types made whatever patch_types says (output).
 ALWAYS_ON: tuple[str, ...] = tuple(p for p, rule in RULES.items() if rule.always_on)
 
