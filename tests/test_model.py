@@ -47,6 +47,14 @@ def test_causal_end_to_end(text, map_kind, projections, full_config):
     model = SheafStateLM(_config(full_config, map_kind=map_kind, num_experts=2, gluing={"projections": projections}))
     assert_logits_causal(model, text, trials=3)
 
+
+def test_the_default_site_is_causal_end_to_end():
+    """The default's own site (workspace and output patches, no random proposals) at a tiny width."""
+    torch.manual_seed(0)
+    model = SheafStateLM(SheafStateConfig(d_model=32, ssm={"headdim": 16, "chunk_size": 16}))
+    assert model.config.site == SiteConfig() and model.config.topology.random_proposals == 0
+    assert_logits_causal(model, PROSE + CODE, trials=3)
+
 def test_perturbation_test_can_fail(full_config):
     """The causality check above detects a leak when one is planted (and validation is off)."""
     model = SheafStateLM(_config(full_config, validate_sites=False)).eval()

@@ -8,7 +8,7 @@ from sheafgnn.nn import cpu_kernels
 from sheafgnn.nn.inference import RowBuffer
 from sheafgnn.nn.sheaf import MAP_INITS
 from sheafgnn.nn.topology import LearnedTopology
-from sheafgnn.site import build_site
+from sheafgnn.site import SiteConfig, build_site
 from sheafgnn.site.tokenizer import ByteTokenizer
 from sheafgnn.stream import SheafStream
 
@@ -49,6 +49,16 @@ def test_stream_equals_full_forward(full_config, text, chunk):
 def test_stream_equals_full_forward_with_token_residual(full_config, shared):
     model = _model(full_config, token_residual=True, shared_ssm=shared, shared_experts=shared, glue_gate=shared)
     ids = torch.tensor(list((PROSE + CODE).encode()))[:200]
+    for chunk in (1, 13):
+        streamed = _streamed(model.stream(), ids, chunk)
+        torch.testing.assert_close(streamed, _full_logits(model, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_the_default_site_streams_as_it_forwards(full_config):
+    """The default's own site and proposals (workspace and output patches, no random proposals)."""
+    model = _model(full_config, site=SiteConfig().to_dict(), topology={"random_proposals": 0})
+    assert model.config.site == SiteConfig()
+    ids = torch.tensor(list((PROSE + CODE).encode()))[:300]
     for chunk in (1, 13):
         streamed = _streamed(model.stream(), ids, chunk)
         torch.testing.assert_close(streamed, _full_logits(model, ids), atol=1e-4, rtol=1e-4)
