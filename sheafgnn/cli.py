@@ -82,13 +82,15 @@ def _site_demo(out: Path, context: int, tokens: int) -> None:
 
 
 # The long comparison the demo's short one is read against: compare's folders of issue-sized runs, seed<N>/ each.
-# A model's run in a later folder replaces its run of the same seed in an earlier one: text_gate/ holds the runs of
+# A model's run in a later folder replaces its run of the same seed in an earlier one: text_lean/ holds the runs of
+# the lean default (workspace and output patches, no random proposals) with the baselines it kept, text_gate/ those of
 # the default since its broadcast gate starts at 1 (gluing.gate_init 1) with the baselines it kept,
 # text_maps_from_identity/ those of the default before it (its learned maps start at I), text_keyprev/ those of the
 # one before with its baselines (and seed 0's ssm, whose runs the changes of default leave as they were: an ssm has
 # no maps and no gate), text/ the earlier defaults' (and seed 1's ssm).
 LONG_RESULTS = tuple(Path(__file__).resolve().parent.parent / "benchmarks" / "results" / name
-                     for name in ("text", "text_keyprev", "text_maps_from_identity", "text_gate"))
+                     for name in ("text", "text_keyprev", "text_maps_from_identity", "text_gate",
+                                  "text_lean"))
 
 
 def _long_result() -> str:
