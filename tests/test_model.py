@@ -55,6 +55,7 @@ def test_the_default_site_is_causal_end_to_end():
     assert model.config.site == SiteConfig() and model.config.topology.random_proposals == 0
     assert_logits_causal(model, PROSE + CODE, trials=3)
 
+
 def test_perturbation_test_can_fail(full_config):
     """The causality check above detects a leak when one is planted (and validation is off)."""
     model = SheafStateLM(_config(full_config, validate_sites=False)).eval()
